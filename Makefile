@@ -1,0 +1,50 @@
+# The two commands of the README: `make demo` and `make test`. Everything runs inside .venv.
+SHELL := /bin/bash
+PY3 ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export OMP_NUM_THREADS ?= 1
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: demo test venv export check-export nbtest pytest docs clean-docs clean
+
+venv: $(STAMP)
+
+# torch first and pinned to the CPU build, so no later install can pull a CUDA wheel.
+$(STAMP): settings.ini setup.py constraints.txt
+	test -x $(BIN)/python || $(PY3) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $(STAMP)
+
+demo: venv
+	$(BIN)/eagle3nb run recipes/demo.yaml
+
+export: venv
+	$(BIN)/nbdev_export
+
+# Fails when the exported library differs from what is committed: the notebooks are the source of truth.
+check-export: export
+	@if [ -n "$$(git status --porcelain eagle3nb/)" ]; then \
+	  echo "nbdev_export changed eagle3nb/ (edit nbs/, run nbdev_export, commit both):"; \
+	  git status --porcelain eagle3nb/; exit 1; fi
+
+nbtest: venv
+	$(BIN)/nbdev_test --n_workers 2 --timing
+
+docs: venv
+	rm -rf _proc
+	$(BIN)/nbdev_proc_nbs
+	$(BIN)/smalldocs render _proc --strict --quiet
+	@echo "docs: $$(ls _proc/_site/*.html | wc -l) pages in _proc/_site/"
+
+# pytest comes last so that its closing line is the last summary CI sees.
+test: venv check-export nbtest docs
+	$(BIN)/pytest tests/
+
+clean:
+	rm -rf _proc _docs build *.egg-info
