@@ -5,11 +5,11 @@
 # %% auto #0
 __all__ = ['parser', 'main']
 
-# %% ../nbs/99_cli.ipynb #bee674b4
+# %% ../nbs/99_cli.ipynb #069af539
 import argparse, sys
 from pathlib import Path
 
-# %% ../nbs/99_cli.ipynb #8962e8c8
+# %% ../nbs/99_cli.ipynb #c6808eab
 def _run(a):
     "eagle3nb run RECIPE: execute the recipe's phase notebooks"
     from eagle3nb.runner import run
@@ -37,7 +37,7 @@ def _recipe_check(a):
     from eagle3nb.recipe import load_recipe, recipe_dict
     print(yaml.safe_dump(recipe_dict(load_recipe(a.recipe)), sort_keys=False), end='')
 
-# %% ../nbs/99_cli.ipynb #3b1323bb
+# %% ../nbs/99_cli.ipynb #d620a11f
 def parser()->argparse.ArgumentParser:
     "The `eagle3nb` argument parser"
     p = argparse.ArgumentParser(prog='eagle3nb', description='Train EAGLE-3 draft models: one recipe from raw datasets to a served draft.')
@@ -49,7 +49,7 @@ def parser()->argparse.ArgumentParser:
     r.add_argument('--no-serve', action='store_true', help='never launch a local server for the target')
     t = sub.add_parser('toy', help='offline tiny targets').add_subparsers(dest='toy_verb', required=True, metavar='ACTION')
     b = t.add_parser('build', help='build a toy target directory'); b.set_defaults(fn=_toy_build)
-    b.add_argument('name', help='kimi-tiny or qwen3-tiny'); b.add_argument('--out', required=True, help='model directory to write')
+    b.add_argument('name', choices=['kimi-tiny', 'qwen3-tiny'], help='which toy target'); b.add_argument('--out', required=True, help='model directory to write')
     b.add_argument('--force', action='store_true', help='rebuild even when a complete build is there')
     t.add_parser('list', help='list toy targets').set_defaults(fn=_toy_list)
     s = sub.add_parser('serve', help='serve a model directory (OpenAI-compatible) in the foreground'); s.set_defaults(fn=_serve)
@@ -58,7 +58,7 @@ def parser()->argparse.ArgumentParser:
     c = rc.add_parser('check', help='validate a recipe and print it resolved'); c.set_defaults(fn=_recipe_check); c.add_argument('recipe')
     return p
 
-# %% ../nbs/99_cli.ipynb #3298ed04
+# %% ../nbs/99_cli.ipynb #0d9fee94
 def _user_errors():
     "Exception types whose message is the whole story"
     from eagle3nb.recipe import RecipeError

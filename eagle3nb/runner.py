@@ -4,11 +4,11 @@
 
 # %% auto #0
 __all__ = ['RESERVED', 'repo_root', 'phase_notebooks', 'phase_key', 'select_phases', 'check_phase_params', 'load_state',
-           'save_state', 'set_aside', 'PhaseFailed', 'execute_phase', 'target_session', 'run']
+           'save_state', 'set_aside', 'PhaseFailed', 'execute_phase', 'run']
 
-# %% ../nbs/98_runner.ipynb #8239d20d
+# %% ../nbs/98_runner.ipynb #c5a40c06
 import datetime, json, os, sys, time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 import papermill as pm
 from papermill.exceptions import PapermillExecutionError
@@ -17,8 +17,9 @@ import nbformat
 from nbformat.v4 import new_notebook, new_code_cell, new_markdown_cell
 import eagle3nb
 from .recipe import Recipe, RecipeError, load_recipe, save_recipe, recipe_dict, fingerprint
+from .target import target_session
 
-# %% ../nbs/98_runner.ipynb #9da28175
+# %% ../nbs/98_runner.ipynb #176be0a2
 def repo_root(start=None)->Path:
     "The repository root: the first directory up from `start` (default: cwd, then the package) with `nbs/phases`"
     for d in [Path(start or os.getcwd()).resolve(), Path(eagle3nb.__file__).resolve().parent.parent]:
@@ -35,7 +36,7 @@ def phase_key(stem:str)->str:
     "The recipe's name for a phase: `00_target_check` -> `target_check`"
     return stem.split('_', 1)[1]
 
-# %% ../nbs/98_runner.ipynb #f719c1b6
+# %% ../nbs/98_runner.ipynb #91f8f8cf
 def select_phases(available:dict, # stem -> notebook path, from `phase_notebooks`
                   wanted=None,    # list of names or stems; None runs them all
                  )->list:
@@ -46,7 +47,7 @@ def select_phases(available:dict, # stem -> notebook path, from `phase_notebooks
     if bad: raise RecipeError(f"unknown phase(s) {', '.join(bad)}; phases: {', '.join(map(phase_key, available))}")
     return [s for s in available if s in {by[w] for w in wanted}]
 
-# %% ../nbs/98_runner.ipynb #af9890db
+# %% ../nbs/98_runner.ipynb #3f2430a5
 RESERVED = ('recipe', 'run_dir')  # set by the runner, never by the recipe
 
 def check_phase_params(nb:Path, # phase notebook
@@ -59,7 +60,7 @@ def check_phase_params(nb:Path, # phase notebook
         if k in RESERVED: raise RecipeError(f"phases.{key}.{k}: set by the runner, not by the recipe")
         if k not in known: raise RecipeError(f"phases.{key}.{k}: not a parameter of {nb.name} (its parameters: {', '.join(known)})")
 
-# %% ../nbs/98_runner.ipynb #7b15562a
+# %% ../nbs/98_runner.ipynb #a189acf1
 def _write_nb(path, params_src:str, body:list):
     "A phase notebook with a `parameters` cell (for tests and examples)"
     nb = new_notebook(cells=[new_markdown_cell(f'# {Path(path).stem}'), new_code_cell(params_src, metadata={'tags': ['parameters']}),
@@ -67,7 +68,7 @@ def _write_nb(path, params_src:str, body:list):
     nb.metadata['kernelspec'] = {'name': 'python3', 'display_name': 'Python 3', 'language': 'python'}
     Path(path).parent.mkdir(parents=True, exist_ok=True); nbformat.write(nb, str(path))
 
-# %% ../nbs/98_runner.ipynb #3c67c210
+# %% ../nbs/98_runner.ipynb #fee6f584
 def load_state(run_dir)->dict:
     "The run's state (`run.json`), empty for a new run"
     p = Path(run_dir)/'run.json'
@@ -85,7 +86,7 @@ def set_aside(record:Path, why:str='failed')->Path|None:
     while (dst := record.with_name(f'{record.stem}.{why}-{k}.ipynb')).exists(): k += 1
     record.rename(dst); return dst
 
-# %% ../nbs/98_runner.ipynb #d001cd4d
+# %% ../nbs/98_runner.ipynb #d6b74f99
 class PhaseFailed(RuntimeError):
     "A phase notebook raised; the message names the phase, the cell and the record"
 
@@ -103,24 +104,7 @@ def execute_phase(nb:Path,       # phase notebook
         raise PhaseFailed(f"phase {nb.stem} failed in cell {e.cell_index} (execution count {e.exec_count}): "
                           f"{e.ename}: {e.evalue}\n  record: {record}") from None
 
-# %% ../nbs/98_runner.ipynb #dcc1a0f6
-@contextmanager
-def target_session(r:Recipe,     # resolved recipe
-                   run_dir:Path, # server log goes here
-                   serve=True,   # launch a local server when the recipe lists no endpoints
-                  ):
-    "Yield the recipe completed with a built toy target and a live local endpoint where needed"
-    r = r.model_copy(deep=True)
-    if r.target.toy:
-        from eagle3nb.toy import ensure_toy, toy_dir
-        r.target.model = str(ensure_toy(r.target.toy, r.target.model or toy_dir(r.target.toy)))
-    if r.target.endpoints or not serve: yield r; return
-    from eagle3nb.server import LocalServer
-    with LocalServer(r.target.model, log_path=Path(run_dir)/'server.log') as srv:
-        r.target.endpoints, r.target.served_name = [srv.base_url], r.target.served_name or srv.model
-        yield r
-
-# %% ../nbs/98_runner.ipynb #b6433c9e
+# %% ../nbs/98_runner.ipynb #e3dde713
 def _tell(msg): print(f'[eagle3nb] {msg}', file=sys.stderr, flush=True)
 
 def run(recipe,            # recipe YAML path
@@ -150,7 +134,7 @@ def run(recipe,            # recipe YAML path
     _tell(f'run {run_id}: {len(sel)} phase(s) done; records in {run_dir}')
     return run_dir
 
-# %% ../nbs/98_runner.ipynb #e3d1849e
+# %% ../nbs/98_runner.ipynb #cc77514d
 def _run_one(stem, nb, run_dir, frozen, params, fp, state, stream):
     "Execute one phase and record its outcome in `state`"
     record = run_dir/f'{stem}.ipynb'
