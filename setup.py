@@ -13,8 +13,8 @@ scripts = [s.strip() for s in cfg.get('console_scripts', '').split('\n') if s.st
 setuptools.setup(
     name=cfg['lib_name'], version=cfg['version'], description=cfg['description'],
     author=cfg['author'], author_email=cfg['author_email'], license='Apache-2.0',
-    packages=setuptools.find_packages(include=['eagle3nb', 'eagle3nb.*']),
-    include_package_data=True, package_data={'eagle3nb': ['templates/*', 'templates/**/*', 'data/*']},
+    packages=setuptools.find_namespace_packages(include=['eagle3nb', 'eagle3nb.*']),
+    include_package_data=True, package_data={'eagle3nb.templates': ['*'], 'eagle3nb.data': ['*']},
     install_requires=requirements, extras_require={'dev': dev_requirements},
     python_requires='>=' + cfg['min_python'], zip_safe=False,
     entry_points={'console_scripts': scripts, 'nbdev': [f"{cfg['lib_path']}={cfg['lib_path']}._modidx:d"]},
