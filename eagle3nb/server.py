@@ -6,13 +6,13 @@
 __all__ = ['CB_FLAGS', 'free_port', 'port_in_use', 'serve_command', 'ServerNotReady', 'ModelMismatch', 'list_models',
            'wait_for_server', 'server_env', 'LocalServer', 'rss_mb', 'serve']
 
-# %% ../nbs/03_server.ipynb #2431c7f7
+# %% ../nbs/03_server.ipynb #2a62d215
 import os, signal, socket, subprocess, sys, tempfile, time, weakref, json
-import urllib.error, urllib.parse, urllib.request
+import urllib.parse, urllib.request
 from pathlib import Path
 from fastcore.basics import patch
 
-# %% ../nbs/03_server.ipynb #861d4ecb
+# %% ../nbs/03_server.ipynb #8d320735
 def free_port(host:str='127.0.0.1', # interface to bind; loopback by default
              )->int:                  # a TCP port nobody listens on right now
     "A free TCP port on `host`, chosen by the kernel"
@@ -20,7 +20,7 @@ def free_port(host:str='127.0.0.1', # interface to bind; loopback by default
         s.bind((host, 0))
         return s.getsockname()[1]
 
-# %% ../nbs/03_server.ipynb #ac154e25
+# %% ../nbs/03_server.ipynb #0410a553
 def port_in_use(port:int, host:str='127.0.0.1')->bool:
     "True if a server could not listen on `host:port` now"
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -29,7 +29,7 @@ def port_in_use(port:int, host:str='127.0.0.1')->bool:
         except OSError: return True
         return False
 
-# %% ../nbs/03_server.ipynb #70e0916b
+# %% ../nbs/03_server.ipynb #e9025c1f
 CB_FLAGS = ['--cb-num-blocks', '512', '--cb-block-size', '32', '--cb-max-batch-tokens', '2048']  # ~160 MB of KV cache, not 8.5 GB
 
 def _model_id(model_dir)->str:
@@ -37,7 +37,7 @@ def _model_id(model_dir)->str:
     p = Path(model_dir).expanduser()
     return str(p.resolve()) if p.exists() else str(model_dir)
 
-# %% ../nbs/03_server.ipynb #3dc70aae
+# %% ../nbs/03_server.ipynb #962d2f46
 def serve_command(model_dir,                     # model directory (HF layout), served as the only model
                   port:int,                      # TCP port to listen on
                   host:str='127.0.0.1',          # interface; keep loopback unless you mean to expose it
@@ -50,14 +50,14 @@ def serve_command(model_dir,                     # model directory (HF layout), 
     if continuous_batching: cmd += ['--continuous-batching', *CB_FLAGS]
     return cmd + [str(a) for a in extra]
 
-# %% ../nbs/03_server.ipynb #82f83793
+# %% ../nbs/03_server.ipynb #1471111f
 class ServerNotReady(RuntimeError):
     "No OpenAI-compatible server answered at the URL in time"
 
 class ModelMismatch(RuntimeError):
     "A server answered but does not serve the expected model"
 
-# %% ../nbs/03_server.ipynb #434a445b
+# %% ../nbs/03_server.ipynb #b5e9fafb
 def list_models(base_url:str,      # OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1
                 api_key:str=None,  # sent as a bearer token when given
                 timeout:float=5,   # seconds for this one request
@@ -67,7 +67,7 @@ def list_models(base_url:str,      # OpenAI-compatible base URL, e.g. http://127
     if api_key: req.add_header('Authorization', f'Bearer {api_key}')
     with urllib.request.urlopen(req, timeout=timeout) as r: return [m['id'] for m in json.load(r)['data']]
 
-# %% ../nbs/03_server.ipynb #2c27d53d
+# %% ../nbs/03_server.ipynb #c0a177f9
 def _not_ready(base_url, waited, err):
     port = urllib.parse.urlparse(base_url).port or 8000
     return ServerNotReady(f"No server answered at {base_url}/models after {waited:.1f} s ({err}). "
@@ -77,7 +77,7 @@ def _mismatch(base_url, model, served):
     return ModelMismatch(f"The server at {base_url} serves {served}, not {model!r}. Another server holds "
                          f"this port (stop it), or the URL points at the wrong server.")
 
-# %% ../nbs/03_server.ipynb #0088f99a
+# %% ../nbs/03_server.ipynb #06fb94ad
 def wait_for_server(base_url:str,      # OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1
                     model:str=None,    # model id that must be listed; None: any answer will do
                     timeout:float=60,  # seconds to keep polling
@@ -97,7 +97,7 @@ def wait_for_server(base_url:str,      # OpenAI-compatible base URL, e.g. http:/
         if time.monotonic() - t0 > timeout: raise _not_ready(base_url, time.monotonic() - t0, err)
         time.sleep(poll)
 
-# %% ../nbs/03_server.ipynb #30324b6d
+# %% ../nbs/03_server.ipynb #87cb9003
 def _tail(path, n:int=20)->str:
     "The last `n` lines of the text file at `path` ('' if there is none)"
     try: return '\n'.join(Path(path).read_text(errors='replace').splitlines()[-n:])
@@ -107,7 +107,7 @@ def server_env(env:dict=None)->dict:
     "This process's environment plus the settings a CPU toy server needs; `env` wins"
     return {**os.environ, 'OMP_NUM_THREADS': '1', 'HF_HUB_OFFLINE': '1', 'TOKENIZERS_PARALLELISM': 'false', **(env or {})}
 
-# %% ../nbs/03_server.ipynb #f622a6ce
+# %% ../nbs/03_server.ipynb #aac54a02
 def _terminate(proc:subprocess.Popen, grace:float=10,
                _sigs=(signal.SIGTERM, signal.SIGKILL), _killpg=os.killpg):  # bound now: may run at exit, after globals are gone
     "SIGTERM `proc`'s process group, SIGKILL it after `grace` s; returns the exit code"
@@ -119,7 +119,7 @@ def _terminate(proc:subprocess.Popen, grace:float=10,
         except Exception: pass  # TimeoutExpired: on to SIGKILL
     return proc.wait()
 
-# %% ../nbs/03_server.ipynb #7c200a6e
+# %% ../nbs/03_server.ipynb #8d5c4d94
 class LocalServer:
     "A `transformers serve` process for one model on loopback; a context manager"
     def __init__(self, model_dir,                 # model directory (HF layout)
@@ -138,7 +138,7 @@ class LocalServer:
         self.cmd = serve_command(model_dir, self.port, host, continuous_batching)
         self.proc = None
 
-# %% ../nbs/03_server.ipynb #aab3fa13
+# %% ../nbs/03_server.ipynb #af04e542
 @patch(as_prop=True)
 def base_url(self:LocalServer)->str: "OpenAI-compatible base URL"; return f'http://{self.host}:{self.port}/v1'
 
@@ -153,7 +153,7 @@ def __repr__(self:LocalServer):
     state = 'running' if self.running else 'stopped' if self.proc else 'not started'
     return f'LocalServer({self.model!r} at {self.base_url}, pid={self.pid}, {state})'
 
-# %% ../nbs/03_server.ipynb #d4810459
+# %% ../nbs/03_server.ipynb #04e58e86
 @patch
 def start(self:LocalServer):
     "Launch the server in its own process group; returns `self` (call `wait_ready` next)"
@@ -168,7 +168,7 @@ def start(self:LocalServer):
     self._finalizer = weakref.finalize(self, _terminate, self.proc, self.grace)
     return self
 
-# %% ../nbs/03_server.ipynb #dcd5457c
+# %% ../nbs/03_server.ipynb #c4587038
 @patch
 def stop(self:LocalServer)->int:
     "SIGTERM the server's process group, SIGKILL after `grace` s; returns the exit code (None if never started)"
@@ -176,7 +176,7 @@ def stop(self:LocalServer)->int:
     self._finalizer()  # runs `_terminate` once; later calls do nothing
     return self.proc.returncode
 
-# %% ../nbs/03_server.ipynb #aa8214fb
+# %% ../nbs/03_server.ipynb #c6d70557
 @patch
 def _check_alive(self:LocalServer):
     "Raise with the log's tail if the server process has exited"
@@ -193,7 +193,7 @@ def wait_ready(self:LocalServer, timeout:float=None)->list:
         raise ServerNotReady(f"The server (pid {self.pid}) did not list {self.model!r} at {self.base_url}/models within "
                              f"{timeout:g} s: still loading, or hung. Its log is {self.log_path}:\n{_tail(self.log_path, 5)}") from e
 
-# %% ../nbs/03_server.ipynb #7098a750
+# %% ../nbs/03_server.ipynb #849c4417
 @patch
 def __enter__(self:LocalServer):
     self.start()
@@ -204,14 +204,14 @@ def __enter__(self:LocalServer):
 @patch
 def __exit__(self:LocalServer, *exc): self.stop()
 
-# %% ../nbs/03_server.ipynb #0407d62b
+# %% ../nbs/03_server.ipynb #13c7cee5
 def rss_mb(pid:int)->float:
     "Resident memory of process `pid` in MB (Linux `/proc`; None elsewhere)"
     try: txt = Path(f'/proc/{pid}/status').read_text()
     except OSError: return None
     return next(int(l.split()[1]) for l in txt.splitlines() if l.startswith('VmRSS:')) / 1024
 
-# %% ../nbs/03_server.ipynb #ef533261
+# %% ../nbs/03_server.ipynb #8d1d6d3d
 def serve(model_dir,                       # model directory (HF layout)
           port:int=8000,                   # TCP port
           host:str='127.0.0.1',            # interface; loopback unless you mean to expose it
