@@ -40,7 +40,7 @@ def parse_arguments(a)->dict:
     if a is None or (isinstance(a, str) and not a.strip()): return {}
     if not isinstance(a, str): raise Reject(f'tool call arguments are {type(a).__name__}, not an object')
     try: v = json.loads(a)
-    except json.JSONDecodeError: raise Reject('tool call arguments are not valid JSON') from None
+    except (ValueError, RecursionError): raise Reject('tool call arguments are not valid JSON') from None  # also huge ints, deep nesting
     if not isinstance(v, dict): raise Reject(f'tool call arguments are a JSON {type(v).__name__}, not an object')
     return v
 
@@ -71,6 +71,8 @@ def link_tool_calls(messages:list)->list:
     out, new_id, pending, n = [], {}, [], 0
     for m in messages:
         m = dict(m)
+        ids = [c.get('id') for c in m.get('tool_calls') or []] + [m.get('tool_call_id')]
+        if any(i is not None and not isinstance(i, str) for i in ids): raise Reject('tool call id is not a string')
         if m['role'] == 'assistant' and m.get('tool_calls'):
             calls, pending = [], []
             for c in m['tool_calls']:
@@ -89,7 +91,8 @@ def link_tool_calls(messages:list)->list:
             call = next((c for c in pending if c['id'] == nid), None)
             if call is None: raise Reject('tool result with no matching tool call')
             pending.remove(call)
-            m.update(tool_call_id=nid, name=m.get('name') or call['function']['name'])
+            if m.get('name') and m['name'] != call['function']['name']: raise Reject('tool result names another function than its call')
+            m.update(tool_call_id=nid, name=call['function']['name'])
         elif m['role'] == 'user': pending = []
         out.append(m)
     return out
