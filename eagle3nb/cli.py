@@ -31,6 +31,12 @@ def _serve(a):
     from eagle3nb.server import serve
     serve(a.model_dir, port=a.port, host=a.host)
 
+def _prepare(a):
+    "eagle3nb prepare --format F --input PATH --name NAME --out DIR: one raw dataset into canonical conversations"
+    from eagle3nb.prepare import prepare
+    m = prepare(a.input, a.format, a.name, a.out, limit=a.limit, count=a.count, seed=a.seed, kind=a.kind, force=a.force)
+    print(f"{a.name}: read {m['read']}, kept {m['kept']}, rejected {m['rejected']} {m['reject_reasons'] or ''} -> {Path(a.out)/a.name}")
+
 def _recipe_check(a):
     "eagle3nb recipe check RECIPE: validate a recipe and print it resolved"
     import yaml
@@ -54,6 +60,14 @@ def parser()->argparse.ArgumentParser:
     t.add_parser('list', help='list toy targets').set_defaults(fn=_toy_list)
     s = sub.add_parser('serve', help='serve a model directory (OpenAI-compatible) in the foreground'); s.set_defaults(fn=_serve)
     s.add_argument('model_dir'); s.add_argument('--port', type=int, default=8000); s.add_argument('--host', default='127.0.0.1')
+    pp = sub.add_parser('prepare', help='read one raw dataset into canonical conversations'); pp.set_defaults(fn=_prepare)
+    pp.add_argument('--format', required=True, help='adapter: sharegpt, openai, alpaca, sweagent_traj, ...')
+    pp.add_argument('--input', required=True, help='raw file, folder, or hub dataset id')
+    pp.add_argument('--name', required=True, help='dataset name: the folder under --out')
+    pp.add_argument('--out', required=True, help='parent folder, e.g. data/<recipe>/prepared')
+    pp.add_argument('--limit', type=int, help='first N records only'); pp.add_argument('--count', type=int, help='seeded sample of N records')
+    pp.add_argument('--seed', type=int, default=0); pp.add_argument('--kind', choices=['full', 'prompt_only', 'native'])
+    pp.add_argument('--force', action='store_true', help='rebuild even when the manifest matches')
     rc = sub.add_parser('recipe', help='recipe tools').add_subparsers(dest='recipe_verb', required=True, metavar='ACTION')
     c = rc.add_parser('check', help='validate a recipe and print it resolved'); c.set_defaults(fn=_recipe_check); c.add_argument('recipe')
     return p
@@ -64,6 +78,9 @@ def _user_errors():
     from eagle3nb.recipe import RecipeError
     from eagle3nb.runner import PhaseFailed
     errs = [RecipeError, PhaseFailed, FileNotFoundError, FileExistsError]
+    try:
+        from eagle3nb.prepare import PrepareError; errs.append(PrepareError)
+    except ImportError: pass
     try:
         from eagle3nb.server import ServerNotReady; errs.append(ServerNotReady)
     except ImportError: pass

@@ -49,6 +49,8 @@ class Dataset(_Strict):
     format: str                     # adapter name (sharegpt, openai, alpaca, ...)
     path: str                       # local file or directory (json, jsonl, parquet)
     count: int|None = None          # sample this many records (seeded); None keeps all
+    kind: str|None = None           # full, prompt_only or native; None: the format's default
+    license: str|None = None        # the dataset's license, where the format cannot know it
 
 class Recipe(_Strict):
     "A whole run: target, datasets, per-phase parameters, data root"
