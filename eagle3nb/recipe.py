@@ -59,6 +59,7 @@ class Recipe(_Strict):
     datasets: list[Dataset] = []
     phases: dict[str, dict] = {}    # phase name (e.g. target_check) -> parameters for its notebook
     data_root: str|None = None      # default data/<name>/
+    catalog: str = 'data_catalog/catalog.duckdb'  # DuckDB catalog of every sample; give recipes with different targets their own
     seed: int = 0
 
 # %% ../nbs/00_recipe.ipynb #17399958
@@ -112,6 +113,7 @@ def resolve(r:Recipe, base=None)->Recipe:
     ab = lambda p: str((base/p).resolve()) if p else p
     r = r.model_copy(deep=True)
     r.data_root = ab(r.data_root or f'data/{r.name}')
+    r.catalog = ab(r.catalog)
     r.target.model = ab(r.target.model)
     for ds in r.datasets: ds.path = ab(ds.path)
     return r

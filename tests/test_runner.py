@@ -24,7 +24,8 @@ def run_id():
 
 def recipe(tmp_path, **target):
     p = tmp_path/'recipe.yaml'
-    p.write_text(json.dumps(dict(name='t', target=target, phases=dict(target_check=dict(max_tokens=8, timeout=3)))))
+    p.write_text(json.dumps(dict(name='t', target=target, catalog=str(tmp_path/'catalog.duckdb'), data_root=str(tmp_path/'data'),
+                                 phases=dict(target_check=dict(max_tokens=8, timeout=3)))))
     return p
 
 
@@ -47,6 +48,9 @@ def test_run_builds_toy_serves_checks_and_resumes(tmp_path, run_id):
     assert all(c['ok'] for c in seen['checks']) and seen['family'] == 'kimi'
     assert seen['completions'][0]['completion_tokens'] <= 8
     assert json.loads((rd/'run.json').read_text())['phases']['00_target_check']['status'] == 'completed'
+    from eagle3nb.catalog import query
+    runs = query(tmp_path/'catalog.duckdb', 'select phase, status from runs where run_id = ? order by phase', [run_id])
+    assert runs.values.tolist() == [['00_target_check', 'ok'], ['10_prepare', 'ok']]
     # no file of the run holds the key: the record keeps only the variable's name
     for f in rd.rglob('*'):
         if f.is_file(): assert secret not in f.read_text(errors='ignore'), f
