@@ -6,7 +6,7 @@
 __all__ = ['parser', 'main']
 
 # %% ../nbs/99_cli.ipynb #069af539
-import argparse, sys
+import argparse, json, sys
 from pathlib import Path
 
 # %% ../nbs/99_cli.ipynb #c6808eab
@@ -36,6 +36,12 @@ def _prepare(a):
     from eagle3nb.prepare import prepare
     m = prepare(a.input, a.format, a.name, a.out, limit=a.limit, count=a.count, seed=a.seed, kind=a.kind, force=a.force)
     print(f"{a.name}: read {m['read']}, kept {m['kept']}, rejected {m['rejected']} {m['reject_reasons'] or ''} -> {Path(a.out)/a.name}")
+
+def _render(a):
+    "eagle3nb render --target DIR --input CONVERSATIONS.jsonl --out DIR: canonical conversations to token ids + loss masks"
+    from eagle3nb.render import render_jsonl
+    st = render_jsonl(a.target, a.input, a.out, thinking=a.thinking == 'on', merge=not a.no_merge)
+    print(json.dumps(st, indent=1))
 
 def _recipe_check(a):
     "eagle3nb recipe check RECIPE: validate a recipe and print it resolved"
@@ -68,6 +74,11 @@ def parser()->argparse.ArgumentParser:
     pp.add_argument('--limit', type=int, help='first N records only'); pp.add_argument('--count', type=int, help='seeded sample of N records')
     pp.add_argument('--seed', type=int, default=0); pp.add_argument('--kind', choices=['full', 'prompt_only', 'native'])
     pp.add_argument('--force', action='store_true', help='rebuild even when the manifest matches')
+    rn = sub.add_parser('render', help="render canonical conversations in the target's format (token ids, loss mask)"); rn.set_defaults(fn=_render)
+    rn.add_argument('--target', required=True, help='target model directory (tokenizer + chat template)')
+    rn.add_argument('--input', required=True, help='canonical conversations, one JSON a line')
+    rn.add_argument('--out', required=True, help='receives samples.jsonl and rejects.jsonl')
+    rn.add_argument('--thinking', choices=['on', 'off'], default='on'); rn.add_argument('--no-merge', action='store_true', help='one sample per assistant turn')
     rc = sub.add_parser('recipe', help='recipe tools').add_subparsers(dest='recipe_verb', required=True, metavar='ACTION')
     c = rc.add_parser('check', help='validate a recipe and print it resolved'); c.set_defaults(fn=_recipe_check); c.add_argument('recipe')
     return p

@@ -7,7 +7,8 @@ __all__ = ['EMITTERS', 'BOUNDARY', 'RENDER_VERSION', 'STAT_COLUMNS', 'template_m
            'RenderError', 'emit_kimi', 'emit_qwen3', 'emit_llama3', 'emit_deepseek', 'emit_glm', 'completion_text',
            'template_turn', 'check_event', 'conversation_events', 'tokenize_events', 'group_events', 'group_sample',
            'template_sha256', 'render_conversations', 'load_tokenizer', 'tokenizer_sha256', 'features', 'render_batch',
-           'render_stats', 'read_render_manifest', 'render_dataset', 'read_conversations_jsonl', 'render_jsonl']
+           'render_stats', 'read_render_manifest', 'render_dataset', 'read_conversations_jsonl', 'render_jsonl',
+           'catalog_rows']
 
 # %% ../nbs/20_render.ipynb #90be0290
 import hashlib, json, shutil, time
@@ -403,3 +404,19 @@ def render_jsonl(target_dir, # the target model directory
     _write_jsonl(out/'samples.jsonl', ({k: r[k] for k in ('sample_id', 'input_ids', 'loss_mask', 'spans')} for r in rows if 'reject' not in r))
     _write_jsonl(out/'rejects.jsonl', (dict(sample_id=r['sample_id'], reason=r['reject']) for r in rows if 'reject' in r))
     return dict(out=str(out), template_sha256=template_sha256(tok), **render_stats(_stat_table(rows), merge), seconds=round(time.time() - t0, 3))
+
+# %% ../nbs/20_render.ipynb #7a2cf76f
+def catalog_rows(rendered_dir, # a rendered dataset directory (`render_dataset`)
+                 prepared_dir=None, # its prepared dataset, for `n_turns`
+                ):         # pyarrow.Table with the catalog's sample columns
+    "Catalog columns of every sample of a rendered dataset"
+    import pyarrow as pa, pyarrow.compute as pc
+    from datasets import load_from_disk
+    t = load_from_disk(str(rendered_dir)).data.table
+    keep = ['sample_id', 'conversation_id', 'dataset', 'kind', 'n_events', 'prompt_tokens', 'completion_tokens', 'has_think', 'has_tools']
+    out = t.select(keep).append_column('total_tokens', pc.list_value_length(t['input_ids']).cast(pa.int32()))
+    if prepared_dir is None: return out
+    from eagle3nb.prepare import load_prepared
+    p = load_prepared(prepared_dir).data.table
+    turns = pa.table(dict(conversation_id=p['sample_id'], n_turns=pa.array([len(json.loads(m)) for m in p['messages'].to_pylist()], pa.int32())))
+    return out.join(turns, 'conversation_id', join_type='left outer').sort_by('sample_id')

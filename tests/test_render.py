@@ -311,3 +311,21 @@ def test_render_dataset_rejects_are_listed(toks, prepared, tmp_path):
         assert all(r['sample_id'].startswith(r['conversation_id'] + '-e') for r in rej)
         seen += len(rej)
     assert seen > 0
+
+
+def test_render_cli_writes_samples_jsonl(tmp_path):
+    "`eagle3nb render --target DIR --input CONVERSATIONS.jsonl --out DIR --thinking off`: one JSON line per sample"
+    import subprocess, sys
+    from eagle3nb.prepare import prepare, conversations
+    fix = Path(__file__).resolve().parent/'fixtures'/'datasets'
+    prepare(fix/'glaive_toolcall_en_demo.sample.json', 'sharegpt', 'g', tmp_path/'prepared', progress=False)
+    convs = list(conversations(tmp_path/'prepared'/'g'))
+    (tmp_path/'c.jsonl').write_text('\n'.join(json.dumps(c) for c in convs))
+    exe = str(Path(sys.executable).parent/'eagle3nb')
+    p = subprocess.run([exe, 'render', '--target', str(ensure_toy('kimi-tiny')), '--input', str(tmp_path/'c.jsonl'), '--out', str(tmp_path/'out'),
+                        '--thinking', 'off'], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = [json.loads(l) for l in open(tmp_path/'out'/'samples.jsonl')]
+    assert lines and all(set(l) >= {'sample_id', 'input_ids', 'loss_mask'} and len(l['input_ids']) == len(l['loss_mask']) for l in lines)
+    assert {l['sample_id'].rsplit('-e', 1)[0] for l in lines} == {c['sample_id'] for c in convs}
+    assert all(sum(l['loss_mask']) > 0 for l in lines)
