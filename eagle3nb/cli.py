@@ -43,6 +43,16 @@ def _render(a):
     st = render_jsonl(a.target, a.input, a.out, thinking=a.thinking == 'on', merge=not a.no_merge)
     print(json.dumps(st, indent=1))
 
+def _merge(a):
+    "eagle3nb merge RECIPE: the recipe's rendered (and generated) samples into one corpus"
+    from eagle3nb.merge import merge_cli
+    merge_cli(a.recipe, force=a.force)
+
+def _vocab(a):
+    "eagle3nb vocab RECIPE: the draft vocabulary (d2t, t2d) from the corpus, on CPU"
+    from eagle3nb.vocab import vocab_cli
+    vocab_cli(a.recipe, draft_vocab=a.draft_vocab, force=a.force)
+
 def _recipe_check(a):
     "eagle3nb recipe check RECIPE: validate a recipe and print it resolved"
     import yaml
@@ -79,6 +89,11 @@ def parser()->argparse.ArgumentParser:
     rn.add_argument('--input', required=True, help='canonical conversations, one JSON a line')
     rn.add_argument('--out', required=True, help='receives samples.jsonl and rejects.jsonl')
     rn.add_argument('--thinking', choices=['on', 'off'], default='on'); rn.add_argument('--no-merge', action='store_true', help='one sample per assistant turn')
+    mg = sub.add_parser('merge', help="merge the recipe's samples into one deduplicated, shuffled corpus"); mg.set_defaults(fn=_merge)
+    mg.add_argument('recipe'); mg.add_argument('--force', action='store_true', help='rebuild even when nothing changed')
+    vc = sub.add_parser('vocab', help='choose the draft vocabulary (d2t, t2d) from the corpus'); vc.set_defaults(fn=_vocab)
+    vc.add_argument('recipe'); vc.add_argument('--draft-vocab', type=int, help='K (default: recipe phases.vocab.draft_vocab or 32000)')
+    vc.add_argument('--force', action='store_true', help='recount even when nothing changed')
     rc = sub.add_parser('recipe', help='recipe tools').add_subparsers(dest='recipe_verb', required=True, metavar='ACTION')
     c = rc.add_parser('check', help='validate a recipe and print it resolved'); c.set_defaults(fn=_recipe_check); c.add_argument('recipe')
     return p
