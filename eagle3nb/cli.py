@@ -43,6 +43,12 @@ def _render(a):
     st = render_jsonl(a.target, a.input, a.out, thinking=a.thinking == 'on', merge=not a.no_merge)
     print(json.dumps(st, indent=1))
 
+def _generate(a):
+    "eagle3nb generate RECIPE: the target's own responses for prompt-only samples (resumable)"
+    from eagle3nb.generate import generate_recipe
+    s = generate_recipe(a.recipe, progress=not a.no_progress, **({'mode': a.mode} if a.mode else {}))
+    print(json.dumps(s, indent=1, default=str))
+
 def _merge(a):
     "eagle3nb merge RECIPE: the recipe's rendered (and generated) samples into one corpus"
     from eagle3nb.merge import merge_cli
@@ -89,6 +95,9 @@ def parser()->argparse.ArgumentParser:
     rn.add_argument('--input', required=True, help='canonical conversations, one JSON a line')
     rn.add_argument('--out', required=True, help='receives samples.jsonl and rejects.jsonl')
     rn.add_argument('--thinking', choices=['on', 'off'], default='on'); rn.add_argument('--no-merge', action='store_true', help='one sample per assistant turn')
+    gn = sub.add_parser('generate', help="get the target's own responses from the recipe's endpoints (resumable)"); gn.set_defaults(fn=_generate)
+    gn.add_argument('recipe'); gn.add_argument('--mode', choices=['raw', 'chat'], help='default: recipe phases.generate.mode or raw')
+    gn.add_argument('--no-progress', action='store_true')
     mg = sub.add_parser('merge', help="merge the recipe's samples into one deduplicated, shuffled corpus"); mg.set_defaults(fn=_merge)
     mg.add_argument('recipe'); mg.add_argument('--force', action='store_true', help='rebuild even when nothing changed')
     vc = sub.add_parser('vocab', help='choose the draft vocabulary (d2t, t2d) from the corpus'); vc.set_defaults(fn=_vocab)
