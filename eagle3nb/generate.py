@@ -9,7 +9,8 @@ __all__ = ['GEN_DEFAULTS', 'FINISHED', 'CAPS_LADDER', 'STATE_OF', 'gen_params', 
            'backoff_delay', 'EndpointPool', 'post_json', 'ClientPool', 'read_response', 'LeanHTTP', 'with_retries',
            'probe_caps', 'Run', 'prompt_text', 'do_job', 'replay', 'regenerate_turns', 'run_partition', 'latest',
            'sync_catalog', 'run_jobs', 'run_sync', 'summary', 'generate', 'default_length', 'FakeTarget',
-           'http_response', 'write_prompts', 'demo_recipe', 'generate_recipe', 'main', 'records_df', 'plot_run']
+           'http_response', 'write_prompts', 'demo_recipe', 'generate_recipe', 'main', 'records_df', 'plot_run',
+           'completion_ids', 'completed_samples']
 
 # %% ../nbs/30_generate.ipynb #c4876484
 import asyncio, json, os, random, socket, sys, threading, time
@@ -755,3 +756,32 @@ def plot_run(df, bin_s:float=None): # matplotlib axes: throughput, lengths, outc
     out = df.assign(outcome=np.where(df.truncated == True, 'truncated ' + df.status, df.status)).groupby(['partition', 'outcome']).size().unstack(fill_value=0)
     out.plot.bar(ax=ax[2], stacked=True, title='outcomes'); fig.tight_layout()
     return ax
+
+# %% ../nbs/30_generate.ipynb #d5e6efdd
+def completion_ids(rec:dict, # a finished raw-mode record
+                   tok,      # the target's tokenizer
+                  )->list:   # the token ids the target emitted
+    "The completion of `rec` as token ids, end-of-turn token included"
+    if rec.get('token_ids'): return [int(t) for t in rec['token_ids']]
+    if rec.get('text') is None: raise ValueError(f"record {rec.get('sample_id')} has no text: chat-mode records are not converted yet; use mode raw")
+    ids = tok.encode(rec['text'], add_special_tokens=False)
+    if not rec.get('special_tokens_kept') and rec.get('finish_reason') == 'stop' and tok.eos_token_id is not None: ids.append(tok.eos_token_id)
+    return ids
+
+# %% ../nbs/30_generate.ipynb #90b62ba4
+def completed_samples(rendered_dir, # the dataset's rendered samples (prompt-only ones have `prompt_only=True`)
+                      shards_dir,   # its shard folder, `generated/<dataset>`
+                      tok,          # the target's tokenizer
+                     )->dict:       # counts
+    "Write `shards_dir/samples`: prompt-only samples completed with the target's finished `ok` responses"
+    import shutil
+    from datasets import Dataset, load_from_disk
+    ds, ok = load_from_disk(str(rendered_dir)), {k: v for k, v in latest(read_shards(Path(shards_dir).parent, Path(shards_dir).name)).items() if v['status'] == 'ok'}
+    rows = []
+    for s in ds.filter(lambda x: x['prompt_only'] and x['sample_id'] in ok):
+        ids, n = completion_ids(ok[s['sample_id']], tok), len(s['input_ids'])
+        rows.append({**s, 'input_ids': s['input_ids'] + ids, 'loss_mask': [0]*n + [1]*len(ids), 'spans': [[n, n + len(ids)]],
+                     'prompt_tokens': n, 'completion_tokens': len(ids), 'n_events': 1, 'prompt_only': False})
+    out = Path(shards_dir)/'samples'; tmp = out.with_name('.samples.tmp'); shutil.rmtree(tmp, ignore_errors=True)
+    if rows: Dataset.from_list(rows, features=ds.features).save_to_disk(str(tmp)); shutil.rmtree(out, ignore_errors=True); tmp.rename(out)
+    return dict(responses=len(ok), samples=len(rows), tokens=sum(r['completion_tokens'] for r in rows))

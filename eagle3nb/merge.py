@@ -207,9 +207,10 @@ def merge_params(r, **over)->dict:
     return dict(mix=dict(p['mix'] or {}), eval_fraction=float(p['eval_fraction']), seed=seed, extra=list(p['extra'] or []))
 
 def merge_inputs(r, extra=())->dict: # label -> folder
-    "The merge inputs of recipe `r`: rendered datasets, then `extra` folders"
+    "The merge inputs of recipe `r`: rendered datasets, the generate phase's completed samples, then `extra` folders"
     root = Path(r.data_root)
     src = {ds.name: root/'rendered'/ds.name for ds in r.datasets}
+    src.update({f'generated:{ds.name}': d for ds in r.datasets if ((d := root/'generated'/ds.name/'samples')/'state.json').exists()})  # the target's answers replace their prompts
     src.update({f'extra:{Path(e).name}': Path(e) for e in extra})
     missing = [str(p) for p in src.values() if not (p/'state.json').exists()]
     if missing: raise FileNotFoundError(f"merge inputs not found: {', '.join(missing)}; run the render phase (15_render) first")

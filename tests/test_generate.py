@@ -271,3 +271,35 @@ def test_full_samples_last_turn_raw(kimi_tiny, tmp_path):
     assert s['ok'] == len(rows) == 4
     assert {tuple(x['input_ids'][:x['spans'][-1][0]]) for x in rows} <= asked   # the server saw exactly these prompts (ids)
     assert all(x['token_ids'] for x in read_shards(gen_dir(r.data_root)))      # vLLM-like server: exact ids back
+
+
+def test_completed_samples_become_training_samples_and_reach_the_corpus(tmp_path):
+    "Responses (text from a server that strips special tokens) -> samples with the end-of-turn token supervised -> merge replaces the prompts"
+    import json as _json
+    from datasets import load_from_disk
+    from transformers import AutoTokenizer
+    from eagle3nb.prepare import prepare
+    from eagle3nb.render import render_dataset
+    from eagle3nb.generate import completed_samples
+    from eagle3nb.merge import merge_corpus
+    from eagle3nb.toy import ensure_toy
+    fix = Path(__file__).resolve().parent/'fixtures'/'datasets'
+    kimi = ensure_toy('kimi-tiny'); tok = AutoTokenizer.from_pretrained(kimi)
+    prepare(fix/'alpaca_en_demo.sample.json', 'alpaca', 'ap', tmp_path/'prepared', kind='prompt_only', progress=False)
+    render_dataset(tmp_path/'prepared'/'ap', kimi, tmp_path/'rendered'/'ap', num_proc=1)
+    prompts = load_from_disk(str(tmp_path/'rendered'/'ap'))
+    assert all(prompts['prompt_only'])
+    shards = tmp_path/'generated'/'ap'; shards.mkdir(parents=True)
+    recs = [dict(sample_id=s, status='ok', text=f'Answer {i}.', finish_reason='stop', special_tokens_kept=False) for i, s in enumerate(prompts['sample_id'][:3])]
+    recs.append(dict(sample_id=prompts['sample_id'][3], status='failed', error='HTTP 500'))
+    (shards/'main-1-0.jsonl').write_text(''.join(_json.dumps(r) + '\n' for r in recs))
+    st = completed_samples(tmp_path/'rendered'/'ap', shards, tok)
+    assert (st['responses'], st['samples']) == (3, 3)
+    done = load_from_disk(str(shards/'samples'))
+    for s in done:
+        n = s['prompt_tokens']
+        assert s['input_ids'][:n] == prompts[prompts['sample_id'].index(s['sample_id'])]['input_ids']
+        assert s['loss_mask'] == [0]*n + [1]*(len(s['input_ids']) - n) and s['input_ids'][-1] == tok.eos_token_id
+        assert tok.decode(s['input_ids'][n:-1]).startswith('Answer')
+    train, ev, rep, fates = merge_corpus([prompts, done], eval_fraction=0.0)
+    assert sorted(train['sample_id']) == sorted(done['sample_id'])  # the 3 answered prompts; the failed one is not in the corpus
