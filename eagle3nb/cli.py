@@ -59,6 +59,11 @@ def _vocab(a):
     from eagle3nb.vocab import vocab_cli
     vocab_cli(a.recipe, draft_vocab=a.draft_vocab, force=a.force)
 
+def _extract(a):
+    "eagle3nb extract RECIPE: hidden states of the target's aux layers for the corpus (torchrun splits it over ranks)"
+    from eagle3nb.extract import extract_recipe
+    extract_recipe(a.recipe, modes=a.modes, splits=a.splits)
+
 def _recipe_check(a):
     "eagle3nb recipe check RECIPE: validate a recipe and print it resolved"
     import yaml
@@ -103,6 +108,9 @@ def parser()->argparse.ArgumentParser:
     vc = sub.add_parser('vocab', help='choose the draft vocabulary (d2t, t2d) from the corpus'); vc.set_defaults(fn=_vocab)
     vc.add_argument('recipe'); vc.add_argument('--draft-vocab', type=int, help='K (default: recipe phases.vocab.draft_vocab or 32000)')
     vc.add_argument('--force', action='store_true', help='recount even when nothing changed')
+    ex = sub.add_parser('extract', help="store the target's aux hidden states for the corpus (safetensors shards)"); ex.set_defaults(fn=_extract)
+    ex.add_argument('recipe'); ex.add_argument('--modes', default='bf16', help='comma-separated: bf16, compact')
+    ex.add_argument('--splits', default='train,eval', help='corpus splits')
     rc = sub.add_parser('recipe', help='recipe tools').add_subparsers(dest='recipe_verb', required=True, metavar='ACTION')
     c = rc.add_parser('check', help='validate a recipe and print it resolved'); c.set_defaults(fn=_recipe_check); c.add_argument('recipe')
     return p
