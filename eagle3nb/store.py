@@ -162,14 +162,15 @@ def done_ids(d)->set:
 INDEX_DDL = ("CREATE TABLE IF NOT EXISTS hidden_index (store VARCHAR, sample_id VARCHAR, shard VARCHAR, "
              "token_offset BIGINT, length INTEGER, mode VARCHAR, PRIMARY KEY (store, sample_id))")
 
-def record_index(catalog, store, rows:list, replace:bool=False):
-    "Upsert index `rows` of store folder `store` into the catalog's `hidden_index` (replace: drop the store's old rows)"
+def record_index(catalog, store, rows:list=None, replace:bool=False):
+    "Upsert index `rows` (None: read from the shard files) of store `store` into `hidden_index` (replace: drop its old rows)"
     import pyarrow as pa
     store = str(Path(store).resolve())
-    t = pa.Table.from_pylist([{**r, 'store': store} for r in rows], schema=pa.schema([
-        ('store', pa.string()), ('sample_id', pa.string()), ('shard', pa.string()), ('token_offset', pa.int64()),
-        ('length', pa.int32()), ('mode', pa.string())]))
-    with connect(catalog) as con:
+    with connect(catalog) as con:  # rows read from files while we hold the catalog: a concurrent rank's rows are never dropped
+        if rows is None: rows = read_index(store)
+        t = pa.Table.from_pylist([{**r, 'store': store} for r in rows], schema=pa.schema([
+            ('store', pa.string()), ('sample_id', pa.string()), ('shard', pa.string()), ('token_offset', pa.int64()),
+            ('length', pa.int32()), ('mode', pa.string())]))
         con.execute(INDEX_DDL)
         if replace: con.execute('DELETE FROM hidden_index WHERE store = ?', [store])
         con.register('_rows', t)
@@ -178,7 +179,7 @@ def record_index(catalog, store, rows:list, replace:bool=False):
 
 def sync_index(catalog, store)->int:
     "Rebuild the catalog's index of `store` from its shard files"
-    return record_index(catalog, store, read_index(store), replace=True)
+    return record_index(catalog, store, None, replace=True)
 
 # %% ../nbs/51_store.ipynb #cff395f3
 class HiddenStates(torch.utils.data.Dataset):
