@@ -9,7 +9,8 @@ __all__ = ['target_dist', 'collate', 'shift', 'step_targets', 'ttt_mask', 'TTT',
            'toy_samples', 'plot_metrics', 'target_tensors']
 
 # %% ../nbs/61_train.ipynb #040f6913
-import json, math, os, random, shutil, time
+import copy, json, math, os, random, shutil, time
+from types import SimpleNamespace
 from dataclasses import dataclass, asdict
 from pathlib import Path
 import torch
@@ -274,6 +275,7 @@ def train(draft:Eagle3Draft,        # a draft from `new_draft` (its init is the 
           device:str='cpu',
           stop_after:int=None,      # raise `Stopped` after this step (simulated kill)
           dataset_of:dict=None,     # sample_id -> dataset, for per-dataset eval of store rows
+          fsdp:bool=False,          # under torchrun: shard the draft with FSDP2 `fully_shard` instead of DDP replication
           log=print)->Eagle3Draft:
     "Train the draft with TTT; resumable bit-for-bit from its checkpoints"
     assert cfg.ckpt_every % cfg.log_every == 0, 'ckpt_every must be a multiple of log_every (a resumed log must equal an unbroken one)'
@@ -281,7 +283,15 @@ def train(draft:Eagle3Draft,        # a draft from `new_draft` (its init is the 
     rank, world = dist_setup(device)
     draft.to(device)
     net = TTT(draft, cfg.ttt_steps, cfg.mask_rule)
-    if world > 1:  # buffers (the embedding) are equal on every rank: no need to broadcast them each step
+    sharded, ref = world > 1 and fsdp, None
+    if sharded:  # evaluation and checkpoints gather the full weights into a plain copy on rank 0
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, StateDictOptions
+        if latest_checkpoint(run_dir) is not None: raise NotImplementedError(f'{run_dir}: resuming an FSDP run is not supported yet')
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        ref = copy.deepcopy(draft) if rank == 0 else None
+        fully_shard(net)
+    elif world > 1:  # buffers (the embedding) are equal on every rank: no need to broadcast them each step
         net = nn.parallel.DistributedDataParallel(net, device_ids=[torch.device(device).index] if device.startswith('cuda') else None,
                                                   broadcast_buffers=False)
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, cfg.beta2), weight_decay=cfg.weight_decay)
@@ -302,6 +312,7 @@ def train(draft:Eagle3Draft,        # a draft from `new_draft` (its init is the 
         loss, sm = ttt_loss(logits, b, cfg.decay)
         opt.zero_grad(set_to_none=True); loss.backward()
         gnorm = nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
+        if hasattr(gnorm, 'full_tensor'): gnorm = gnorm.full_tensor()  # FSDP: a DTensor
         opt.step(); sched.step(); step += 1
         if world > 1:  # metrics over the global batch, not rank 0's share
             v = torch.tensor(list(sm.values()), dtype=torch.float64, device=device)
@@ -311,13 +322,21 @@ def train(draft:Eagle3Draft,        # a draft from `new_draft` (its init is the 
             _log(metrics, dict(split='train', step=step, epoch=epoch, lr=sched.get_last_lr()[0], loss=loss.item(),
                                grad_norm=gnorm.item(), s=round(time.time() - t0, 2), **summarize(sums, cfg.ttt_steps)))
             sums = {}
-        if rank == 0 and eval_samples is not None and (step % cfg.eval_every == 0 or step == cfg.max_steps):
-            for name, m in evaluate(draft, eval_samples, cfg.ttt_steps, cfg.decay, lm_head, cfg.mask_rule, dataset_of).items():
+        do_eval = eval_samples is not None and (step % cfg.eval_every == 0 or step == cfg.max_steps)
+        do_ckpt = step % cfg.ckpt_every == 0 or step == cfg.max_steps
+        view, o = draft, opt
+        if sharded and (do_eval or do_ckpt):  # collective: every rank takes part
+            sd = get_model_state_dict(net, options=full)
+            osd = get_optimizer_state_dict(net, opt, options=full) if do_ckpt else None
+            if rank == 0: ref.load_state_dict({k.removeprefix('draft.'): v for k, v in sd.items()})
+            view, o = ref, SimpleNamespace(state_dict=lambda: osd)
+        if rank == 0 and do_eval:
+            for name, m in evaluate(view, eval_samples, cfg.ttt_steps, cfg.decay, lm_head, cfg.mask_rule, dataset_of).items():
                 _log(metrics, dict(split='eval', dataset=name, step=step, **m))
-        if rank == 0 and (step % cfg.ckpt_every == 0 or step == cfg.max_steps):
-            save_checkpoint(run_dir, step, draft, opt, sched, cfg, epoch)
+        if rank == 0 and do_ckpt: save_checkpoint(run_dir, step, view, o, sched, cfg, epoch)
         if world > 1: torch.distributed.barrier()
         if stop_after is not None and step >= stop_after: raise Stopped(f'stopped after step {step}')
+    if sharded: return ref if rank == 0 else None  # rank 0: the trained weights, unsharded (gathered at the last step)
     return draft
 
 # %% ../nbs/61_train.ipynb #79396769

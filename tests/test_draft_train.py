@@ -235,3 +235,44 @@ def test_compact_store_samples_train(toy, tmp_path):
     cfg = TrainConfig(ttt_steps=2, max_steps=2, batch_size=2, log_every=1, ckpt_every=2)
     train(new_draft(toy['config'], toy['embed'], d2t, t2d), hs, tmp_path/'run', cfg, log=lambda *_: None)
     assert [m['step'] for m in read_metrics(tmp_path/'run')] == [1, 2]
+
+FSDP_CHILD = textwrap.dedent('''
+    import sys, torch
+    from eagle3nb.draft import new_draft
+    from eagle3nb.train import TrainConfig, train, toy_samples
+    from eagle3nb.vocab import top_k_ids, vocab_maps
+    torch.set_num_threads(1)
+    ts = toy_samples(n=4, new_tokens=8, eval_n=1)
+    d2t, t2d = vocab_maps(top_k_ids(ts['counts'] + 1, 256), ts['V'])
+    cfg = TrainConfig(ttt_steps=3, lr=1e-3, warmup_steps=2, max_steps=4, batch_size=int(sys.argv[2]), ckpt_every=2, eval_every=2, log_every=1)
+    train(new_draft(ts['config'], ts['embed'], d2t, t2d, seed=3), ts['train'], sys.argv[1], cfg, eval_samples=ts['eval'],
+          fsdp=sys.argv[3] == 'fsdp', log=lambda *_: None)
+''')
+
+def _fsdp_cpu_reason():
+    try:
+        from torch.distributed.fsdp import fully_shard  # FSDP2
+        import torch.distributed as dist
+        return None if dist.is_available() and dist.is_gloo_available() else 'torch.distributed without gloo'
+    except ImportError as e: return f'no FSDP2 in torch {torch.__version__}: {e}'
+
+@pytest.mark.skipif(_fsdp_cpu_reason() is not None, reason=str(_fsdp_cpu_reason()))
+def test_fsdp_two_cpu_ranks_match_one_process(tmp_path):
+    "FSDP2 over 2 gloo ranks (batch 1 each) trains the same weights as one process with batch 2, and writes eval/checkpoints"
+    from safetensors.torch import load_file
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    script = tmp_path/'child.py'; script.write_text(FSDP_CHILD)
+    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2', str(script),
+                        str(tmp_path/'fsdp'), '1', 'fsdp'], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    subprocess.run([sys.executable, str(script), str(tmp_path/'one'), '2', 'plain'], env=env, check=True, timeout=300)
+    A, B = (load_file(str(latest_checkpoint(tmp_path/d)/'model.safetensors')) for d in ('fsdp', 'one'))
+    assert latest_checkpoint(tmp_path/'fsdp').name == 'step_4' and A.keys() == B.keys()
+    for k in A: torch.testing.assert_close(A[k], B[k], rtol=1e-4, atol=1e-5, msg=k)
+    fm, om = read_metrics(tmp_path/'fsdp'), read_metrics(tmp_path/'one')
+    assert [m['step'] for m in fm if m['split'] == 'eval'] == [2, 4]
+    assert len(fm) == len(om)
+    for a, b in zip(fm, om):  # `loss` of a train line is rank 0's share; the per-step sums are over the global batch
+        assert (a['split'], a['step']) == (b['split'], b['step'])
+        for k in ('loss_0', 'acc_0') + (('accept_est', 'accept_sim') if a['split'] == 'eval' else ()):
+            assert math.isclose(a[k], b[k], rel_tol=1e-4, abs_tol=1e-6), (a['split'], a['step'], k)
