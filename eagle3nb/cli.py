@@ -64,6 +64,14 @@ def _extract(a):
     from eagle3nb.extract import extract_recipe
     extract_recipe(a.recipe, modes=a.modes, splits=a.splits)
 
+def _export(a):
+    "eagle3nb export CHECKPOINT --out DIR --target TARGET_DIR: a checkpoint SGLang and vLLM load as EAGLE3"
+    from eagle3nb.export import export_draft, check_export
+    cfg = export_draft(a.checkpoint, a.out, a.target, aux_layers=[int(x) for x in a.aux_layers.split(',')] if a.aux_layers else None)
+    problems = check_export(a.out)
+    print(json.dumps(dict(out=a.out, architectures=cfg['architectures'], problems=problems), indent=1))
+    if problems: sys.exit(1)
+
 def _recipe_check(a):
     "eagle3nb recipe check RECIPE: validate a recipe and print it resolved"
     import yaml
@@ -111,6 +119,10 @@ def parser()->argparse.ArgumentParser:
     ex = sub.add_parser('extract', help="store the target's aux hidden states for the corpus (safetensors shards)"); ex.set_defaults(fn=_extract)
     ex.add_argument('recipe'); ex.add_argument('--modes', default='bf16', help='comma-separated: bf16, compact')
     ex.add_argument('--splits', default='train,eval', help='corpus splits')
+    xp = sub.add_parser('export', help='write an engine-ready EAGLE3 draft (config.json + bf16 model.safetensors)'); xp.set_defaults(fn=_export)
+    xp.add_argument('checkpoint', help='a training checkpoint folder, e.g. checkpoints/step_1000')
+    xp.add_argument('--out', required=True); xp.add_argument('--target', required=True, help='the target model directory')
+    xp.add_argument('--aux-layers', help='comma-separated input-of-layer ids (default [2, N//2, N-3])')
     rc = sub.add_parser('recipe', help='recipe tools').add_subparsers(dest='recipe_verb', required=True, metavar='ACTION')
     c = rc.add_parser('check', help='validate a recipe and print it resolved'); c.set_defaults(fn=_recipe_check); c.add_argument('recipe')
     return p
@@ -121,6 +133,9 @@ def _user_errors():
     from eagle3nb.recipe import RecipeError
     from eagle3nb.runner import PhaseFailed
     errs = [RecipeError, PhaseFailed, FileNotFoundError, FileExistsError]
+    try:
+        from eagle3nb.export import ExportError; errs.append(ExportError)
+    except ImportError: pass
     try:
         from eagle3nb.prepare import PrepareError; errs.append(PrepareError)
     except ImportError: pass

@@ -1,0 +1,59 @@
+"Export of a training checkpoint to an engine-loadable EAGLE-3 draft folder"
+import json
+import pytest, torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
+from eagle3nb.draft import new_draft
+from eagle3nb.recipe import default_aux_layers
+from eagle3nb.train import save_checkpoint, TrainConfig
+from eagle3nb.export import export_draft, check_export, ExportError
+
+@pytest.fixture
+def ckpt(kimi_tiny, tmp_path):
+    tc = AutoConfig.from_pretrained(str(kimi_tiny)); tt = tc.get_text_config()
+    V, H, Vd = tt.vocab_size, tt.hidden_size, 16
+    tids = torch.arange(Vd) * 5 + 2
+    t2d = torch.zeros(V, dtype=torch.bool); t2d[tids] = True
+    dr = new_draft(tc, torch.zeros(V, H), tids - torch.arange(Vd), t2d, seed=1)
+    opt = torch.optim.AdamW(dr.parameters()); sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return save_checkpoint(tmp_path/'run', 3, dr, opt, sch, TrainConfig()), tt, dr
+
+def test_export_roundtrip(ckpt, kimi_tiny, tmp_path):
+    ck, tt, dr = ckpt
+    cfg = export_draft(ck, tmp_path/'out', kimi_tiny, aux_layers=[1, 2, 3])
+    assert check_export(tmp_path/'out') == []
+    c = json.loads((tmp_path/'out'/'config.json').read_text())
+    assert c == cfg and c['architectures'] == ['LlamaForCausalLMEagle3'] and c['model_type'] == 'llama'
+    assert (c['num_hidden_layers'], c['tie_word_embeddings'], c['vocab_size'], c['draft_vocab_size'], c['target_hidden_size']) == (1, False, tt.vocab_size, 16, tt.hidden_size)
+    assert c['eagle_aux_hidden_state_layer_ids'] == [1, 2, 3] and c['eagle_config']['eagle_aux_hidden_state_layer_ids'] == [0, 1, 2]
+    w = load_file(str(tmp_path/'out'/'model.safetensors'))
+    assert not any('embed' in k for k in w) and w['fc.weight'].dtype == torch.bfloat16
+    assert w['d2t'].dtype == torch.int64 and w['t2d'].dtype == torch.bool and torch.equal(w['t2d'], dr.t2d)
+    assert torch.allclose(w['lm_head.weight'].float(), dr.lm_head.weight.detach(), atol=1e-2, rtol=1e-2)
+    assert not list(tmp_path.glob('.out.tmp'))
+
+def test_default_aux_layers(ckpt, kimi_tiny, tmp_path):
+    ck, tt, _ = ckpt
+    cfg = export_draft(ck, tmp_path/'out', kimi_tiny)
+    assert cfg['eagle_aux_hidden_state_layer_ids'] == default_aux_layers(tt.num_hidden_layers)
+
+def test_refuses_bad_checkpoints(ckpt, kimi_tiny, tmp_path):
+    ck, _, _ = ckpt
+    f = ck/'model.safetensors'
+    with safe_open(str(f), 'pt') as s: meta = s.metadata()
+    sd = load_file(str(f))
+    save_file({k: v for k, v in sd.items() if k != 'lm_head.weight'}, str(f), metadata=meta)
+    with pytest.raises(ExportError, match='lm_head'): export_draft(ck, tmp_path/'a', kimi_tiny)
+    save_file({**sd, 'fc.weight': sd['fc.weight'][:, :-1].contiguous()}, str(f), metadata=meta)
+    with pytest.raises(ExportError, match='3 x'): export_draft(ck, tmp_path/'b', kimi_tiny)
+    assert not (tmp_path/'a').exists() and not (tmp_path/'b').exists()
+
+def test_check_export_flags_bad_maps(ckpt, kimi_tiny, tmp_path):
+    ck, _, _ = ckpt
+    export_draft(ck, tmp_path/'out', kimi_tiny)
+    f = tmp_path/'out'/'model.safetensors'; w = load_file(str(f))
+    w['d2t'] = w['d2t'] + 1; save_file(w, str(f))
+    assert check_export(tmp_path/'out') == ["d2t does not map the draft vocab onto the ids t2d marks"]
+    w['d2t'] = w['d2t'].int(); save_file(w, str(f))
+    assert any('int64' in p for p in check_export(tmp_path/'out'))
