@@ -120,7 +120,7 @@ def run(recipe,            # recipe YAML path
     for s in sel: check_phase_params(nbs[s], r.phases.get(phase_key(s), {}))
     run_id = run_id or f"{r.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     run_dir = root/'papermill_runs'/run_id; run_dir.mkdir(parents=True, exist_ok=True)
-    state = load_state(run_dir); state.update(run_id=run_id, recipe_source=str(Path(recipe).resolve()))
+    state = load_state(run_dir); state.update(run_id=run_id, recipe_source=str(Path(recipe).resolve()), catalog=r.catalog)
     base = {k: v for k, v in recipe_dict(r).items() if k != 'phases'}  # another phase's parameters don't matter here
     fps = {s: fingerprint(dict(recipe=base, params=r.phases.get(phase_key(s), {}))) for s in sel}
     done = lambda s: (st := state['phases'].get(s, {})).get('status') == 'completed' and st.get('fingerprint') == fps[s] and (run_dir/f'{s}.ipynb').exists()
@@ -141,20 +141,19 @@ def _run_one(stem, nb, run_dir, frozen, params, fp, state, stream):
     old = state['phases'].get(stem, {}).get('status')
     set_aside(record, 'failed' if old != 'completed' else 'previous')
     st = state['phases'][stem] = dict(status='running', fingerprint=fp, record=record.name, started=time.time())
-    save_state(run_dir, state); _tell(f'run {stem} -> {record}'); _log_run(frozen, state, stem, 'running', params)
+    save_state(run_dir, state); _tell(f'run {stem} -> {record}'); _log_run(state, stem, 'running', params)
     try: execute_phase(nb, record, dict(recipe=str(frozen), run_dir=str(run_dir), **params), stream)
     except PhaseFailed as e:
         st.update(status='failed', error=str(e), seconds=round(time.time()-st['started'], 2)); save_state(run_dir, state)
-        _log_run(frozen, state, stem, 'failed')
+        _log_run(state, stem, 'failed')
         raise PhaseFailed(f"{e}\n  fix it, then rerun `eagle3nb run {state['recipe_source']} --run-id {state['run_id']}` "
                           "(completed phases are skipped)") from None
     st.update(status='completed', seconds=round(time.time()-st['started'], 2)); save_state(run_dir, state)
-    _log_run(frozen, state, stem, 'ok')
+    _log_run(state, stem, 'ok')
 
 # %% ../nbs/98_runner.ipynb #902895e0
-def _log_run(frozen, state, stem, status, params=None):
+def _log_run(state, stem, status, params=None):
     "Record a phase's status in the recipe's catalog `runs` table; warn instead of failing"
     from eagle3nb.catalog import record_run, CatalogLocked
-    r = load_recipe(frozen)
-    try: record_run(r.catalog, state['run_id'], stem, status, recipe=state['recipe_source'], params=params, timeout=5)
+    try: record_run(state['catalog'], state['run_id'], stem, status, recipe=state['recipe_source'], params=params, timeout=5)
     except CatalogLocked as e: _tell(f'warning: run not recorded in the catalog: {e}')
