@@ -6,7 +6,7 @@
 __all__ = ['parser', 'main']
 
 # %% ../nbs/99_cli.ipynb #069af539
-import argparse, json, sys
+import argparse, json, os, sys
 from pathlib import Path
 
 # %% ../nbs/99_cli.ipynb #c6808eab
@@ -132,21 +132,17 @@ def _user_errors():
     "Exception types whose message is the whole story"
     from eagle3nb.recipe import RecipeError
     from eagle3nb.runner import PhaseFailed
-    errs = [RecipeError, PhaseFailed, FileNotFoundError, FileExistsError]
-    try:
-        from eagle3nb.export import ExportError; errs.append(ExportError)
-    except ImportError: pass
-    try:
-        from eagle3nb.prepare import PrepareError; errs.append(PrepareError)
-    except ImportError: pass
-    try:
-        from eagle3nb.server import ServerNotReady; errs.append(ServerNotReady)
-    except ImportError: pass
-    return tuple(errs)
+    from eagle3nb.server import ServerNotReady, ModelMismatch
+    from eagle3nb.catalog import CatalogLocked
+    from eagle3nb.export import ExportError
+    # ValueError covers RecipeError, PrepareError, ExportError and the phases' checks of their inputs, whose
+    # messages name the bad value and what to do; EAGLE3NB_DEBUG=1 brings the traceback back
+    return (RecipeError, PhaseFailed, ServerNotReady, ModelMismatch, CatalogLocked, ExportError, FileNotFoundError, FileExistsError, ValueError)
 
 def main(argv=None):
     "Entry point of the `eagle3nb` command"
     a = parser().parse_args(argv)
     try: a.fn(a)
     except _user_errors() as e:
+        if os.environ.get('EAGLE3NB_DEBUG'): raise
         print(f'eagle3nb {a.verb}: error: {e}', file=sys.stderr); sys.exit(1)
