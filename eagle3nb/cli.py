@@ -65,12 +65,34 @@ def _extract(a):
     extract_recipe(a.recipe, modes=a.modes, splits=a.splits)
 
 def _export(a):
-    "eagle3nb export CHECKPOINT --out DIR --target TARGET_DIR: a checkpoint SGLang and vLLM load as EAGLE3"
+    "eagle3nb export CHECKPOINT --out DIR --target TARGET_DIR [--data DATA_ROOT]: a checkpoint SGLang and vLLM load as EAGLE3"
     from eagle3nb.export import export_draft, check_export
-    cfg = export_draft(a.checkpoint, a.out, a.target, aux_layers=[int(x) for x in a.aux_layers.split(',')] if a.aux_layers else None)
+    cfg = export_draft(a.checkpoint, a.out, a.target, aux_layers=[int(x) for x in a.aux_layers.split(',')] if a.aux_layers else None,
+                       data_root=a.data)
     problems = check_export(a.out)
     print(json.dumps(dict(out=a.out, architectures=cfg['architectures'], problems=problems), indent=1))
     if problems: sys.exit(1)
+
+def _launch(a):
+    "eagle3nb launch DRAFT --target MODEL: the SGLang and vLLM commands that serve MODEL with this draft"
+    from eagle3nb.export import launch_commands
+    for eng, cmd in launch_commands(a.draft, a.target, tp=a.tp, num_steps=a.num_steps, topk=a.topk).items(): print(f'# {eng}\n{cmd}\n')
+
+def _doctor(a):
+    "eagle3nb doctor DIR --target TARGET_DIR [--server-args FILE | --server URL]: exit 1 on any known silent failure"
+    from eagle3nb.doctor import doctor_cli
+    sys.exit(doctor_cli(a.draft, a.target, server_args=a.server_args, server=a.server))
+
+def _serve_bench(a):
+    "eagle3nb serve-bench --baseline URL --speculative URL --model NAME: output tok/s, TTFT, accept length, break-even"
+    from eagle3nb.servebench import serve_bench_cli
+    serve_bench_cli(a.baseline, a.speculative, a.model, prompts=a.prompts, recipe=a.recipe, concurrency=a.concurrency,
+                    max_tokens=a.max_tokens, n=a.n, out=a.out)
+
+def _plan(a):
+    "eagle3nb plan RECIPE [--out DIR]: write the next train_plan_vN.md"
+    from eagle3nb.plan import plan_cli
+    plan_cli(a.recipe, out=a.out)
 
 def _recipe_check(a):
     "eagle3nb recipe check RECIPE: validate a recipe and print it resolved"
@@ -122,7 +144,25 @@ def parser()->argparse.ArgumentParser:
     xp = sub.add_parser('export', help='write an engine-ready EAGLE3 draft (config.json + bf16 model.safetensors)'); xp.set_defaults(fn=_export)
     xp.add_argument('checkpoint', help='a training checkpoint folder, e.g. checkpoints/step_1000')
     xp.add_argument('--out', required=True); xp.add_argument('--target', required=True, help='the target model directory')
-    xp.add_argument('--aux-layers', help='comma-separated input-of-layer ids (default [2, N//2, N-3])')
+    xp.add_argument('--aux-layers', help='comma-separated input-of-layer ids (default: the hidden states\' with --data, else [2, N//2, N-3])')
+    xp.add_argument('--data', help="the recipe's data root (data/<recipe>): writes the training record doctor checks")
+    la = sub.add_parser('launch', help='print the SGLang and vLLM commands that serve a target with an exported draft'); la.set_defaults(fn=_launch)
+    la.add_argument('draft', help='exported draft folder'); la.add_argument('--target', required=True, help="the target's path or hub id")
+    la.add_argument('--tp', type=int, default=1); la.add_argument('--num-steps', type=int, default=3); la.add_argument('--topk', type=int, default=1)
+    dr = sub.add_parser('doctor', help='check an exported draft, its target and the server launch for every known silent failure'); dr.set_defaults(fn=_doctor)
+    dr.add_argument('draft', help='exported draft folder'); dr.add_argument('--target', required=True, help='the target model folder')
+    g = dr.add_mutually_exclusive_group()
+    g.add_argument('--server-args', help='the launch command (or a script holding it), or SGLang server args as JSON')
+    g.add_argument('--server', help="a running SGLang server's base URL (its /get_server_info is read)")
+    sb = sub.add_parser('serve-bench', help='benchmark a speculative endpoint against its baseline'); sb.set_defaults(fn=_serve_bench)
+    sb.add_argument('--baseline', required=True, help='base URL of the server without the draft (.../v1)')
+    sb.add_argument('--speculative', required=True, help='base URL of the server with the draft (.../v1)')
+    sb.add_argument('--model', required=True, help='served model id')
+    sb.add_argument('--recipe', help="eval prompts from this recipe's eval split"); sb.add_argument('--prompts', help='or from a JSONL file of prompts')
+    sb.add_argument('--concurrency', default='1,8', help='comma-separated concurrencies'); sb.add_argument('--max-tokens', type=int, default=128)
+    sb.add_argument('-n', type=int, default=16, help='prompts per concurrency'); sb.add_argument('--out', help='write the results here (JSON) and break_even.png beside it')
+    pl = sub.add_parser('plan', help='write the next train_plan_vN.md for a recipe'); pl.set_defaults(fn=_plan)
+    pl.add_argument('recipe'); pl.add_argument('--out', help='folder of the plans (default plans/<recipe name>/)')
     rc = sub.add_parser('recipe', help='recipe tools').add_subparsers(dest='recipe_verb', required=True, metavar='ACTION')
     c = rc.add_parser('check', help='validate a recipe and print it resolved'); c.set_defaults(fn=_recipe_check); c.add_argument('recipe')
     return p

@@ -57,3 +57,46 @@ def test_check_export_flags_bad_maps(ckpt, kimi_tiny, tmp_path):
     assert check_export(tmp_path/'out') == ["d2t does not map the draft vocab onto the ids t2d marks"]
     w['d2t'] = w['d2t'].int(); save_file(w, str(f))
     assert any('int64' in p for p in check_export(tmp_path/'out'))
+
+def _data_root(d, aux=None, template='t' * 64):
+    "A data root with what the training record reads: a render manifest, vocab.json and (optionally) a hidden-state shard"
+    (d/'rendered'/'ds').mkdir(parents=True); (d/'vocab').mkdir()
+    (d/'rendered'/'ds'/'render.json').write_text(json.dumps(dict(params=dict(template_sha256=template, tokenizer_sha256='k'))))
+    (d/'vocab'/'vocab.json').write_text(json.dumps(dict(draft_vocab=16, special_used={'<|im_end|>': dict(id=2, count=1, rank=0)})))
+    if aux:
+        (d/'hidden'/'bf16'/'train').mkdir(parents=True)
+        save_file({'x': torch.zeros(1)}, str(d/'hidden'/'bf16'/'train'/'r000-000000.safetensors'),
+                  metadata=dict(layer_ids=json.dumps(aux), template_sha256=json.dumps(template)))
+    return d
+
+def test_cli_export_writes_training_record(ckpt, kimi_tiny, tmp_path, capsys):
+    from eagle3nb.cli import main
+    ck, tt, _ = ckpt
+    root = _data_root(tmp_path/'data', aux=[1, 3, 5])
+    main(['export', str(ck), '--out', str(tmp_path/'out'), '--target', str(kimi_tiny), '--data', str(root)])
+    assert json.loads(capsys.readouterr().out)['problems'] == []
+    rec = json.loads((tmp_path/'out'/'eagle3nb.json').read_text())
+    assert rec['aux_layers'] == [1, 3, 5] and rec['template_sha256'] == ['t' * 64] and rec['special_tokens'] == {'<|im_end|>': 2}
+    c = json.loads((tmp_path/'out'/'config.json').read_text())   # the hidden states' layers win over the default
+    assert c['eagle_aux_hidden_state_layer_ids'] == [1, 3, 5] and c['eagle_config']['eagle_aux_hidden_state_layer_ids'] == [0, 2, 4]
+
+def test_export_refuses_aux_layers_other_than_extracted(ckpt, kimi_tiny, tmp_path, capsys):
+    from eagle3nb.cli import main
+    ck, _, _ = ckpt
+    root = _data_root(tmp_path/'data', aux=[1, 3, 5])
+    with pytest.raises(SystemExit) as e:
+        main(['export', str(ck), '--out', str(tmp_path/'out'), '--target', str(kimi_tiny), '--data', str(root), '--aux-layers', '2,3,5'])
+    assert e.value.code == 1 and 'extracted at input-of-layer ids [1, 3, 5]' in capsys.readouterr().err
+    assert not (tmp_path/'out').exists()
+
+def test_launch_commands_parse_back(tmp_path):
+    import shlex
+    from eagle3nb.export import launch_commands
+    c = launch_commands(tmp_path/'my draft', '/models/Kimi-K2.5', tp=8, num_steps=5, topk=4)
+    a = shlex.split(c['sglang'])
+    flag = lambda f: a[a.index(f) + 1]
+    assert (flag('--speculative-algorithm'), flag('--speculative-draft-model-path'), flag('--tp')) == ('EAGLE3', str(tmp_path/'my draft'), '8')
+    assert (flag('--speculative-num-steps'), flag('--speculative-eagle-topk'), flag('--speculative-num-draft-tokens')) == ('5', '4', '10')
+    v = shlex.split(c['vllm'])
+    assert v[:3] == ['vllm', 'serve', '/models/Kimi-K2.5']
+    assert json.loads(v[v.index('--speculative-config') + 1]) == dict(method='eagle3', model=str(tmp_path/'my draft'), num_speculative_tokens=5)
