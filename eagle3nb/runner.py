@@ -123,7 +123,8 @@ HEADLINES = {  # phase key -> (json file in the run folder, its one-line result)
     'extract': ('extract', lambda j: ', '.join(f"{x['mode']} {x['split']} {x['samples']} samples, {x['disk_bytes'] / 2**20:.1f} MiB" for x in j)),
     'train': ('accept', lambda j: f"eval accept length {j['eval all']['accept_est']:.2f} (simulated {j['eval all']['accept_sim']:.2f})"),
     'export': ('export', lambda j: f"{j['out']}: {'ok' if not j['problems'] else j['problems']}"),
-    'doctor': ('doctor', lambda j: 'all checks passed' if j['passed'] else f"FAILED: {'; '.join(j['problems'])}"),
+    'doctor': ('doctor', lambda j: 'nothing to check' if j['passed'] is None else 'all checks passed' if j['passed'] else
+                                   f"FAILED: {'; '.join(p['check'] for p in j['problems'])}"),
     'serve_bench': ('serve_bench', lambda j: j['headline']),
     'plan': ('plan', lambda j: j['path']),
 }
