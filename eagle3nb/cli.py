@@ -158,7 +158,7 @@ def parser()->argparse.ArgumentParser:
     sb = sub.add_parser('serve-bench', help='benchmark a speculative endpoint against its baseline'); sb.set_defaults(fn=_serve_bench)
     sb.add_argument('--baseline', required=True, help='base URL of the server without the draft (.../v1)')
     sb.add_argument('--speculative', required=True, help='base URL of the server with the draft (.../v1)')
-    sb.add_argument('--model', required=True, help='served model id')
+    sb.add_argument('--model', help='served model id (default: the first model the baseline lists)')
     sb.add_argument('--recipe', help="eval prompts from this recipe's eval split"); sb.add_argument('--prompts', help='or from a JSONL file of prompts')
     sb.add_argument('--concurrency', default='1,8', help='comma-separated concurrencies'); sb.add_argument('--max-tokens', type=int, default=128)
     sb.add_argument('-n', type=int, default=16, help='prompts per concurrency'); sb.add_argument('--out', help='write the results here (JSON) and break_even.png beside it')

@@ -125,7 +125,9 @@ HEADLINES = {  # phase key -> (json file in the run folder, its one-line result)
     'export': ('export', lambda j: f"{j['out']}: {'ok' if not j['problems'] else j['problems']}"),
     'doctor': ('doctor', lambda j: 'nothing to check' if j['passed'] is None else 'all checks passed' if j['passed'] else
                                    f"FAILED: {'; '.join(p['check'] for p in j['problems'])}"),
-    'serve_bench': ('serve_bench', lambda j: j['headline']),
+    'serve_bench': ('serve_bench', lambda j: f"nothing to bench: {j['skipped']}" if j.get('skipped') else
+                    ('plumbing check, same server: ' if j['plumbing_check'] else '') + ', '.join(
+                        f"C={x['concurrency']} {x['out_tok_s']:.0f} tok/s, speedup {x['speedup']:.2f}" for x in j['rows'] if x['endpoint'] == 'speculative')),
     'plan': ('plan', lambda j: j['path']),
 }
 

@@ -1,0 +1,116 @@
+"serve-bench against the live toy server (as baseline and speculative), fake SGLang / vLLM stats endpoints, break-even"
+import http.server, json, math, threading
+from pathlib import Path
+import pytest
+from eagle3nb.merge import load_corpus, merge_recipe, smoke_recipe
+from eagle3nb.server import free_port
+from eagle3nb.servebench import (accept_length, bench_endpoint, break_even, break_even_table, serve_bench, serve_bench_cli,
+                                 eval_prompts, spec_state, WORKED_EXAMPLE)
+
+PROMPTS = ['Say hello.', 'Count to five.', [dict(role='system', content='Be brief.'), dict(role='user', content='Name a colour.')],
+           {'messages': [dict(role='user', content='One word, please.')]}]
+
+
+class _Fake(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = self.server.routes.get(self.path)
+        if body is None: return self.send_error(404)
+        b = (body if isinstance(body, str) else json.dumps(body)).encode()
+        self.send_response(200); self.send_header('Content-Length', str(len(b))); self.end_headers(); self.wfile.write(b)
+    def log_message(self, *a): pass
+
+
+@pytest.fixture
+def fake_engine():
+    "Start loopback servers that answer GETs from a mutable `routes` dict; yields a factory (routes) -> (server, base URL)"
+    started = []
+    def make(routes):
+        srv = http.server.ThreadingHTTPServer(('127.0.0.1', 0), _Fake); srv.routes = routes
+        threading.Thread(target=srv.serve_forever, daemon=True).start(); started.append(srv)
+        return srv, f'http://127.0.0.1:{srv.server_port}/v1'
+    yield make
+    for s in started: s.shutdown(); s.server_close()
+
+
+def test_toy_server_as_both_endpoints(toy_server):
+    df = serve_bench(toy_server.base_url, toy_server.base_url, toy_server.model, PROMPTS, concurrencies=(1, 2), max_tokens=8)
+    assert list(zip(df.endpoint, df.concurrency)) == [('baseline', 1), ('speculative', 1), ('baseline', 2), ('speculative', 2)]
+    assert (df.ok == len(PROMPTS)).all() and (df.failed == 0).all(), df.errors.tolist()
+    assert (df.output_tokens > 0).all() and (df.out_tok_s > 0).all() and (df.req_tok_s_p50 > 0).all()
+    assert (df.tokens_counted_by == 'usage').all()  # transformers serve sends usage on its last chunk
+    assert (df.ttft_p50_ms > 0).all() and (df.ttft_p50_ms <= df.ttft_p90_ms).all() and (df.ttft_p90_ms <= df.seconds * 1000).all()
+    assert (df.speedup[df.endpoint == 'baseline'] == 1.0).all()
+    sp = df.speedup[df.endpoint == 'speculative']
+    assert sp.map(math.isfinite).all() and ((sp > 0.2) & (sp < 5)).all(), sp.tolist()  # the same server: noise around 1
+    assert df.accept_len.isna().all() and len(break_even_table(df)) == 0
+
+
+def test_failures_are_counted_not_raised(toy_server):
+    bad = bench_endpoint(toy_server.base_url, 'no-such-model', PROMPTS[:2], concurrency=2, max_tokens=8)
+    assert (bad['ok'], bad['failed'], bad['out_tok_s'], bad['output_tokens']) == (0, 2, 0.0, 0)
+    assert bad['ttft_p50_ms'] is None and 'no-such-model' in bad['errors'][0], bad['errors']
+    url = f'http://127.0.0.1:{free_port()}/v1'  # nobody listens there
+    down = bench_endpoint(url, toy_server.model, PROMPTS[:2], concurrency=1, max_tokens=8, timeout=5)
+    assert down['failed'] == 2 and 'Connection' in down['errors'][0], down['errors']
+    df = serve_bench(url, toy_server.base_url, toy_server.model, PROMPTS[:2], concurrencies=(1,), max_tokens=8)
+    assert df.failed.tolist() == [2, 0] and df.speedup.isna().all()  # no baseline throughput: NaN, not ZeroDivisionError
+
+
+def test_sglang_accept_length(fake_engine):
+    srv, url = fake_engine({'/get_server_info': dict(version='0.5.5', internal_states=[dict(last_gen_throughput=80.0, avg_spec_accept_length=2.5),
+                                                                                       dict(last_gen_throughput=81.0, avg_spec_accept_length=3.0)])})
+    assert spec_state(url) == dict(engine='sglang', avg_spec_accept_length=2.75)  # mean over data-parallel schedulers
+    assert accept_length(url, spec_state(url)) == 2.75  # a since-start average: `before` cannot be subtracted
+    srv.routes['/get_server_info'] = dict(internal_states=[dict(last_gen_throughput=80.0)])  # SGLang without speculation
+    assert accept_length(url) is None
+    srv.routes = {'/server_info': dict(internal_states=[dict(avg_spec_accept_length=1.9)])}  # newer SGLang's path
+    assert accept_length(url) == 1.9
+
+
+def test_vllm_accept_length_delta(fake_engine):
+    def prom(acc, drafts):
+        return ''.join(f'# TYPE vllm:spec_decode_num_{n} counter\n'
+                       f'vllm:spec_decode_num_{n}_total{{engine="0",model_name="m"}} {v * 0.25}\n'
+                       f'vllm:spec_decode_num_{n}_total{{engine="1",model_name="m"}} {v * 0.75}\n'
+                       f'vllm:spec_decode_num_{n}_created{{engine="0",model_name="m"}} 1.7e9\n'
+                       for n, v in (('drafts', drafts), ('accepted_tokens', acc)))
+    srv, url = fake_engine({'/metrics': prom(100.0, 50.0) + 'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 9\n'})
+    before = spec_state(url)
+    assert before == dict(engine='vllm', accepted=100.0, drafts=50.0)
+    srv.routes['/metrics'] = prom(100.0 + 66.0, 50.0 + 40.0)  # the run: 40 drafts, 66 accepted tokens
+    assert accept_length(url, before) == pytest.approx(1 + 66 / 40)
+    assert accept_length(url) == pytest.approx(1 + 166 / 90)  # without `before`: since the server started
+    assert accept_length(url, spec_state(url)) is None  # no drafts in the window: unknown
+    srv.routes['/metrics'] = 'vllm:num_requests_running{model_name="m"} 0.0\n'  # vLLM without speculation
+    assert spec_state(url) is None and accept_length(url) is None
+
+
+def test_break_even_worked_example():
+    b = break_even(**WORKED_EXAMPLE)  # 90 tok/s baseline, 82.3 tok/s speculative at accept length 2.1
+    assert round(b['cost'], 3) == 2.296 and round(b['break_even_accept_len'], 3) == 2.296  # 2.1 * 90 / 82.3 = 2.29648
+    assert round(b['speedup'], 3) == 0.914
+    assert 2.1 / b['cost'] == pytest.approx(b['speedup'])  # speedup(a) = a / c passes through the measurement
+    with pytest.raises(ValueError, match='positive tok/s'): break_even(90, 0, 2.1)
+    with pytest.raises(ValueError, match='accept length'): break_even(90, 82.3, None)
+
+
+def test_cli_writes_record(toy_server, tmp_path):
+    (tmp_path/'prompts.json').write_text(json.dumps(['Say hi.', [dict(role='user', content='Say bye.')]]))
+    out = tmp_path/'bench'/'serve_bench.json'
+    df = serve_bench_cli(toy_server.base_url, toy_server.base_url, prompts=str(tmp_path/'prompts.json'), concurrency='1,2', max_tokens=4, out=str(out))
+    rec = json.loads(out.read_text())
+    assert len(df) == 4 and len(rec['rows']) == 4 and rec['model'] == toy_server.model and rec['break_even'] == []
+    assert all(r['ok'] == 2 for r in rec['rows']) and (out.parent/'break_even.png').stat().st_size > 0
+    with pytest.raises(ValueError, match='--prompts'): serve_bench_cli(toy_server.base_url, toy_server.base_url)
+
+
+def test_eval_prompts(tmp_path):
+    r = smoke_recipe(tmp_path, Path(__file__).parent/'fixtures'/'datasets')
+    pre = eval_prompts(r, n=3)  # no corpus yet: the prepared conversations
+    assert len(pre) == 3 and all(p[-1]['role'] == 'user' for p in pre)
+    merge_recipe(r, eval_fraction=0.2)
+    ev = load_corpus(Path(r.data_root)/'corpus', 'eval')
+    ps = eval_prompts(r.data_root, n=16)
+    assert 0 < len(ps) == len(ev)
+    for p in ps:  # what any chat API accepts: text turns only, ending with the user
+        assert p[-1]['role'] == 'user' and all(set(m) == {'role', 'content'} and m['role'] in ('system', 'user', 'assistant') and m['content'] for m in p)
