@@ -351,6 +351,7 @@ def commands(r:Recipe, f:dict)->list: # (phase, what it does, command lines); '#
     key = [f'export {r.target.api_key_env}=...   # the endpoints\' API key, never in the recipe'] if r.target.api_key_env else []
     base = r.target.endpoints[0] if r.target.endpoints else '$BASE_URL'
     sb = r.phases.get('serve_bench') or {}
+    trc = ' --trust-remote-code' if (r.phases.get('doctor') or {}).get('trust_remote_code') else ''
     spec, conc = sb.get('speculative') or '$SPEC_URL', sb.get('concurrencies') or '1,8'
     return [('check', 'validate the recipe; this plan', [f'eagle3nb recipe check {R}', f'eagle3nb plan {R}   # again after the catalog phase: measured counts replace estimates']),
         ('target_check', 'the endpoints answer and render prompts as we do', key + [run('target_check')]),
@@ -369,8 +370,8 @@ def commands(r:Recipe, f:dict)->list: # (phase, what it does, command lines); '#
         ('doctor', 'every known silent failure: draft, target, launch arguments, and the running server',
          [run('doctor') + f'   # checks papermill_runs/{RUN}/launch_*.sh',
           *(['# SPEC_URL: the server launched with the draft (a launch command above), e.g. http://HOST:30000/v1'] if spec == '$SPEC_URL' else []),
-          f'eagle3nb doctor {D}/export --target {M} --server {spec}   # SGLang: its /get_server_info',
-          f'eagle3nb doctor {D}/export --target {M} --server-args papermill_runs/{RUN}/launch_vllm.sh   # vLLM: the launch command']),
+          f'eagle3nb doctor {D}/export --target {M} --server {spec}{trc}   # SGLang: its /get_server_info',
+          f'eagle3nb doctor {D}/export --target {M} --server-args papermill_runs/{RUN}/launch_vllm.sh{trc}   # vLLM: the launch command']),
         ('serve_bench', 'output tok/s, TTFT and accept length against the target alone',
          [f"eagle3nb serve-bench --baseline {base} --speculative {spec} --model {_q(r.target.served_name or '$MODEL')} --recipe {R} --concurrency {conc}",
           f'# or: {run("serve_bench")}' + ('   # with phases.serve_bench.speculative set to the speculative URL' if spec == '$SPEC_URL' else '')]),

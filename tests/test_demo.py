@@ -1,0 +1,45 @@
+"The whole demo end to end, as `make demo` runs it: every phase, export, a passing doctor, a plan, the summary table"
+import json, os, subprocess, sys, uuid, shutil
+from pathlib import Path
+import pytest, yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+EAGLE3NB = str(Path(sys.executable).parent/'eagle3nb')
+
+
+@pytest.fixture
+def run_id():
+    rid = f'pytest-demo-{uuid.uuid4().hex[:8]}'
+    yield rid
+    shutil.rmtree(ROOT/'papermill_runs'/rid, ignore_errors=True)
+
+
+def test_demo_end_to_end(tmp_path, run_id):
+    "recipes/demo.yaml with its data, catalog and toy target moved to a temp dir; all else as shipped"
+    r = yaml.safe_load((ROOT/'recipes'/'demo.yaml').read_text())
+    r.update(data_root=str(tmp_path/'data'), catalog=str(tmp_path/'catalog.duckdb'))
+    r['target']['model'] = str(tmp_path/'kimi-tiny')
+    (tmp_path/'demo.yaml').write_text(yaml.safe_dump(r))
+    p = subprocess.run([EAGLE3NB, 'run', str(tmp_path/'demo.yaml'), '--run-id', run_id], cwd=ROOT, capture_output=True, text=True,
+                       timeout=900, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert p.returncode == 0, p.stderr[-4000:]
+    rd = ROOT/'papermill_runs'/run_id
+    phases = sorted(q.stem for q in (ROOT/'nbs'/'phases').glob('[0-9]*_*.ipynb'))
+    assert {'70_export', '71_doctor', '80_serve_bench', '90_plan'} <= set(phases)
+    state = json.loads((rd/'run.json').read_text())['phases']
+    assert [s for s in phases if state[s]['status'] == 'completed'] == phases and all((rd/f'{s}.ipynb').exists() for s in phases)
+    # the export, with its training record, at data/<recipe>/export/
+    ex = tmp_path/'data'/'export'
+    assert sorted(q.name for q in ex.iterdir()) == ['config.json', 'eagle3nb.json', 'model.safetensors']
+    assert json.loads((ex/'config.json').read_text())['architectures'] == ['LlamaForCausalLMEagle3']
+    # doctor passed it, against the launch commands the export phase wrote
+    doc = json.loads((rd/'doctor.json').read_text())
+    assert doc['passed'] is True and not doc['problems']
+    assert (rd/'launch_sglang.sh').exists() and 'EAGLE3' in (rd/'launch_sglang.sh').read_text()
+    # a plan, and the last output is the summary table with every phase in it
+    plan = Path(json.loads((rd/'plan.json').read_text())['path'])
+    assert plan.name.startswith('train_plan_v') and plan.exists() and '## Commands' in plan.read_text()
+    last = p.stdout.strip().splitlines()
+    table = last[-len(phases):]
+    assert [l.split()[0] for l in table] == phases and all(l.split()[1] == 'completed' for l in table), '\n'.join(last[-20:])
+    assert 'all checks passed' in p.stdout and (rd/'summary.md').exists()
