@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['target_dist', 'collate', 'shift', 'step_targets', 'ttt_mask', 'TTT', 'ttt_loss', 'summarize', 'add_sums',
            'accept_estimate', 'chain_hits', 'accept_lengths', 'evaluate', 'TrainConfig', 'lr_factor', 'batch_indices',
-           'save_checkpoint', 'latest_checkpoint', 'load_checkpoint', 'dist_setup', 'Stopped', 'train', 'read_metrics',
-           'toy_samples', 'plot_metrics', 'target_tensors']
+           'save_checkpoint', 'latest_checkpoint', 'load_checkpoint', 'dist_setup', 'Stopped',
+           'load_sharded_checkpoint', 'train', 'read_metrics', 'toy_samples', 'plot_metrics', 'target_tensors']
 
 # %% ../nbs/61_train.ipynb #040f6913
 import copy, json, math, os, random, shutil, time
@@ -231,10 +231,16 @@ def latest_checkpoint(run_dir)->Path|None:
     ds = [p for p in (Path(run_dir)/'checkpoints').glob('step_*') if p.is_dir()]
     return max(ds, key=lambda p: int(p.name.split('_')[1])) if ds else None
 
+def _sharded_state(st:dict)->bool:
+    "Was this optimizer state written by an FSDP run (keyed by parameter name, not by index)?"
+    return any(isinstance(k, str) for k in st['optimizer'].get('state', {}))
+
 def load_checkpoint(d, draft:Eagle3Draft, opt=None, sched=None)->dict:
     "Restore the draft (and optimizer, scheduler, RNG); return the train state"
     draft.load_state_dict(load_file(str(Path(d)/'model.safetensors'), device=str(draft.fc.weight.device)))
     st = torch.load(Path(d)/'train_state.pt', weights_only=False)
+    if opt is not None and _sharded_state(st):
+        raise ValueError(f"{d} was written by an FSDP run (train(..., fsdp=True) under torchrun); resume it the same way")
     if opt is not None: opt.load_state_dict(st['optimizer'])
     if sched is not None: sched.load_state_dict(st['scheduler'])
     torch.set_rng_state(st['rng']); random.setstate(st['py_rng'])
@@ -265,6 +271,21 @@ def _trim_log(path, step:int):
     keep = [l for l in Path(path).read_text().splitlines() if l and json.loads(l)['step'] <= step]
     Path(path).write_text(''.join(l + '\n' for l in keep))
 
+# %% ../nbs/61_train.ipynb #db82faf6
+def load_sharded_checkpoint(d, net:nn.Module, opt, sched, ref:Eagle3Draft=None)->dict:
+    "Restore an FSDP2-sharded `TTT` wrapper from a full checkpoint: every rank reads it and keeps its own shard"
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict, StateDictOptions
+    sd = load_file(str(Path(d)/'model.safetensors'))
+    st = torch.load(Path(d)/'train_state.pt', weights_only=False)
+    if not _sharded_state(st): raise ValueError(f"{d} was written by a single-process or DDP run; resume it without fsdp=True")
+    full = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(net, {f'draft.{k}': v for k, v in sd.items()}, options=full)
+    set_optimizer_state_dict(net, opt, st['optimizer'], options=full)
+    sched.load_state_dict(st['scheduler'])
+    torch.set_rng_state(st['rng']); random.setstate(st['py_rng'])
+    if ref is not None: ref.load_state_dict(sd)  # rank 0's plain copy, for evaluation and the next checkpoint
+    return st
+
 # %% ../nbs/61_train.ipynb #b52f0e0e
 def train(draft:Eagle3Draft,        # a draft from `new_draft` (its init is the run's init)
           train_samples,            # sequence of sample dicts (a list, or store.HiddenStates)
@@ -287,7 +308,6 @@ def train(draft:Eagle3Draft,        # a draft from `new_draft` (its init is the 
     if sharded:  # evaluation and checkpoints gather the full weights into a plain copy on rank 0
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, StateDictOptions
-        if latest_checkpoint(run_dir) is not None: raise NotImplementedError(f'{run_dir}: resuming an FSDP run is not supported yet')
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)
         ref = copy.deepcopy(draft) if rank == 0 else None
         fully_shard(net)
@@ -300,7 +320,8 @@ def train(draft:Eagle3Draft,        # a draft from `new_draft` (its init is the 
     if rank == 0:  # a killed run's half-written checkpoint
         for t in (run_dir/'checkpoints').glob('.step_*.tmp'): shutil.rmtree(t, ignore_errors=True)
     if (ck := latest_checkpoint(run_dir)) is not None:
-        step = load_checkpoint(ck, draft, opt, sched)['step']; log(f'resumed from {ck}')
+        step = (load_sharded_checkpoint(ck, net, opt, sched, ref) if sharded else load_checkpoint(ck, draft, opt, sched))['step']
+        log(f'resumed from {ck}')
     if rank == 0: _trim_log(metrics, step)
     tids, t2d = draft_target_ids(draft), draft.t2d  # on `device`: targets are computed there
     if lm_head is not None: lm_head = lm_head.to(device)

@@ -239,14 +239,16 @@ def test_compact_store_samples_train(toy, tmp_path):
 FSDP_CHILD = textwrap.dedent('''
     import sys, torch
     from eagle3nb.draft import new_draft
-    from eagle3nb.train import TrainConfig, train, toy_samples
+    from eagle3nb.train import TrainConfig, train, toy_samples, Stopped
     from eagle3nb.vocab import top_k_ids, vocab_maps
     torch.set_num_threads(1)
     ts = toy_samples(n=4, new_tokens=8, eval_n=1)
     d2t, t2d = vocab_maps(top_k_ids(ts['counts'] + 1, 256), ts['V'])
     cfg = TrainConfig(ttt_steps=3, lr=1e-3, warmup_steps=2, max_steps=4, batch_size=int(sys.argv[2]), ckpt_every=2, eval_every=2, log_every=1)
-    train(new_draft(ts['config'], ts['embed'], d2t, t2d, seed=3), ts['train'], sys.argv[1], cfg, eval_samples=ts['eval'],
-          fsdp=sys.argv[3] == 'fsdp', log=lambda *_: None)
+    stop = int(sys.argv[4]) if len(sys.argv) > 4 else None  # a simulated kill after that step
+    try: train(new_draft(ts['config'], ts['embed'], d2t, t2d, seed=3), ts['train'], sys.argv[1], cfg, eval_samples=ts['eval'],
+               fsdp=sys.argv[3] == 'fsdp', stop_after=stop, log=lambda *_: None)
+    except Stopped: sys.exit(3)
 ''')
 
 def _fsdp_cpu_reason():
@@ -276,3 +278,23 @@ def test_fsdp_two_cpu_ranks_match_one_process(tmp_path):
         assert (a['split'], a['step']) == (b['split'], b['step'])
         for k in ('loss_0', 'acc_0') + (('accept_est', 'accept_sim') if a['split'] == 'eval' else ()):
             assert math.isclose(a[k], b[k], rel_tol=1e-4, abs_tol=1e-6), (a['split'], a['step'], k)
+
+
+@pytest.mark.skipif(_fsdp_cpu_reason() is not None, reason=str(_fsdp_cpu_reason()))
+def test_fsdp_resume_after_kill(tmp_path):
+    "An FSDP run stopped after step 2 and rerun ends with the weights and metrics of an unbroken FSDP run; other modes refuse its checkpoint"
+    from safetensors.torch import load_file
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    script = tmp_path/'child.py'; script.write_text(FSDP_CHILD)
+    fsdp = lambda out, *extra: subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2',
+                                              str(script), str(tmp_path/out), '1', 'fsdp', *extra], env=env, capture_output=True, text=True, timeout=300)
+    r = fsdp('whole'); assert r.returncode == 0, r.stderr[-3000:]
+    r = fsdp('killed', '2'); assert r.returncode != 0 and latest_checkpoint(tmp_path/'killed').name == 'step_2'
+    r = fsdp('killed'); assert r.returncode == 0, r.stderr[-3000:]
+    A, B = (load_file(str(latest_checkpoint(tmp_path/d)/'model.safetensors')) for d in ('killed', 'whole'))
+    assert latest_checkpoint(tmp_path/'killed').name == 'step_4' and A.keys() == B.keys()
+    for k in A: torch.testing.assert_close(A[k], B[k], rtol=0, atol=0, msg=k)
+    strip = lambda ms: [{k: v for k, v in m.items() if k != 's'} for m in ms]  # wall-clock seconds differ
+    assert strip(read_metrics(tmp_path/'killed')) == strip(read_metrics(tmp_path/'whole'))
+    p = subprocess.run([sys.executable, str(script), str(tmp_path/'killed'), '2', 'plain'], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and 'was written by an FSDP run' in p.stderr
