@@ -34,7 +34,7 @@ def _serve(a):
 def _prepare(a):
     "eagle3nb prepare --format F --input PATH --name NAME --out DIR: one raw dataset into canonical conversations"
     from eagle3nb.prepare import prepare
-    m = prepare(a.input, a.format, a.name, a.out, limit=a.limit, count=a.count, seed=a.seed, kind=a.kind, force=a.force)
+    m = prepare(a.input, a.format, a.name, a.out, limit=a.limit, count=a.count, seed=a.seed, kind=a.kind, license=a.license, force=a.force)
     print(f"{a.name}: read {m['read']}, kept {m['kept']}, rejected {m['rejected']} {m['reject_reasons'] or ''} -> {Path(a.out)/a.name}")
 
 def _render(a):
@@ -62,7 +62,7 @@ def _vocab(a):
 def _extract(a):
     "eagle3nb extract RECIPE: hidden states of the target's aux layers for the corpus (torchrun splits it over ranks)"
     from eagle3nb.extract import extract_recipe
-    extract_recipe(a.recipe, modes=a.modes, splits=a.splits)
+    extract_recipe(a.recipe, modes=a.modes, splits=a.splits, device_map=a.device_map or '', token_budget=a.token_budget)
 
 def _export(a):
     "eagle3nb export CHECKPOINT --out DIR --target TARGET_DIR [--data DATA_ROOT]: a checkpoint SGLang and vLLM load as EAGLE3"
@@ -124,6 +124,7 @@ def parser()->argparse.ArgumentParser:
     pp.add_argument('--out', required=True, help='parent folder, e.g. data/<recipe>/prepared')
     pp.add_argument('--limit', type=int, help='first N records only'); pp.add_argument('--count', type=int, help='seeded sample of N records')
     pp.add_argument('--seed', type=int, default=0); pp.add_argument('--kind', choices=['full', 'prompt_only', 'native'])
+    pp.add_argument('--license', help="the dataset's license, recorded on every conversation")
     pp.add_argument('--force', action='store_true', help='rebuild even when the manifest matches')
     rn = sub.add_parser('render', help="render canonical conversations in the target's format (token ids, loss mask)"); rn.set_defaults(fn=_render)
     rn.add_argument('--target', required=True, help='target model directory (tokenizer + chat template)')
@@ -141,6 +142,8 @@ def parser()->argparse.ArgumentParser:
     ex = sub.add_parser('extract', help="store the target's aux hidden states for the corpus (safetensors shards)"); ex.set_defaults(fn=_extract)
     ex.add_argument('recipe'); ex.add_argument('--modes', default='bf16', help='comma-separated: bf16, compact')
     ex.add_argument('--splits', default='train,eval', help='corpus splits')
+    ex.add_argument('--device-map', help='where the target goes: cuda:0, auto (one copy over all visible GPUs); default cuda:LOCAL_RANK, else cpu')
+    ex.add_argument('--token-budget', type=int, default=16384, help='tokens per forward (batch size x longest sample)')
     xp = sub.add_parser('export', help='write an engine-ready EAGLE3 draft (config.json + bf16 model.safetensors)'); xp.set_defaults(fn=_export)
     xp.add_argument('checkpoint', help='a training checkpoint folder, e.g. checkpoints/step_1000')
     xp.add_argument('--out', required=True); xp.add_argument('--target', required=True, help='the target model directory')

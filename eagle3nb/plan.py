@@ -308,8 +308,9 @@ def _prep_cmds(r:Recipe, f:dict, run)->list:
         c = f'eagle3nb prepare --format {d.format} --input {_q(d.path)} --name {d.name} --out {D}/prepared'
         if d.count: c += f' --count {d.count} --seed {r.seed}'
         if d.kind: c += f' --kind {d.kind}'
+        if d.license: c += f' --license {_q(d.license)}'
         each.append(c)
-    note = '# or one dataset at a time (the phase also records each dataset in the catalog, and its license):'
+    note = '# or one dataset at a time (the phase also records each dataset in the catalog):'
     return [('prepare', 'raw datasets -> canonical conversations (prepared/)', [run('prepare'), note, *each] if each else [run('prepare')])]
 
 # %% ../nbs/90_plan.ipynb #b3cef02c
@@ -322,13 +323,13 @@ def _extract_cmds(f:dict, run)->list:
         lines += ['# one rank per GPU, the corpus split by sample id:',
                   f"{_torchrun(p['extract_nodes'], per_node)} --no-python eagle3nb extract {R} --modes {modes}"]
     else:
-        nb = _papermill('50_extract', RUN, R, modes=modes, device_map='auto')
+        cli = f'eagle3nb extract {R} --modes {modes} --device-map auto'
         if per_node > 1:  # several copies per node: each rank sees only its own GPUs
             g = p['gpus_per_target']
-            nb = f'CUDA_VISIBLE_DEVICES=$(seq -s, $((LOCAL_RANK*{g})) $((LOCAL_RANK*{g}+{g-1}))) ' + nb
+            cli = f"bash -c 'CUDA_VISIBLE_DEVICES=$(seq -s, $((LOCAL_RANK*{g})) $((LOCAL_RANK*{g}+{g-1}))) {cli}'"
         lines += [f"# one target copy per {p['gpus_per_target']} GPUs (device_map auto), {p['extract_nodes']} node(s); "
                   'data root on a file system every node shares:',
-                  f"{_torchrun(p['extract_nodes'], per_node)} --no-python bash -c '{nb}'"]
+                  f"{_torchrun(p['extract_nodes'], per_node)} --no-python {cli}"]
     return [('extract', f"aux hidden states -> hidden/{{{modes}}}/ (torchrun ranks write their own shards)", lines)]
 
 def _train_cmds(f:dict, run)->list:

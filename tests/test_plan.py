@@ -124,7 +124,8 @@ def test_kimi_plan_without_data(tmp_path, monkeypatch, capsys):
     assert f['hidden']['fits'] and 'does not fit' not in plan_markdown(f)
     cmds = '\n'.join(l for _, _, ls in f['commands'] for l in ls)
     assert 'eagle3nb prepare --format xlam --input /data/raw/Salesforce/xlam-function-calling-60k --name xlam_60k' in cmds
-    assert '--nnodes 4' in cmds and '-p device_map auto' in cmds and 'torchrun --nproc_per_node 8 --no-python bash -c' in cmds
+    assert '--nnodes 4' in cmds and 'eagle3nb extract RECIPE --modes bf16 --device-map auto' in cmds and 'torchrun --nproc_per_node 8 --no-python bash -c' in cmds
+    assert '--name xlam_60k --out /data/eagle3/kimi-k2.5-agentic-100k/prepared --count 20000 --seed 0 --license cc-by-4.0' in cmds
     assert '--speculative http://sglang-eagle3:30000/v1 --model kimi-k2.5' in cmds and '--concurrency 1,8,32' in cmds
 
 
