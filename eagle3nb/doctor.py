@@ -258,7 +258,7 @@ def check_speculative_algorithm(x:DraftExport, sa:dict=None)->list:
 
 # %% ../nbs/71_doctor.ipynb #dd56cd63
 def check_fc_width(x:DraftExport)->list:
-    "fc.weight is (hidden_size, 3 x target hidden)"
+    "fc.weight is (target hidden, 3 x target hidden)"
     n, H = 'fc_width', x.target.hidden_size
     s = x.shape('fc.weight')
     if s is None: return [finding(n, 'FAIL', f"model.safetensors has no fc.weight: the engine has nothing to fuse the aux states with and drafts from random weights. Re-export from a training checkpoint.")]
@@ -266,6 +266,7 @@ def check_fc_width(x:DraftExport)->list:
         k = f"{s[1] / H:g} x" if len(s) == 2 else "not"
         return [finding(n, 'FAIL', f"fc.weight is {s} and reads {k} the target hidden size {H}, but EAGLE-3 feeds it the concat of 3 aux states ({3*H} wide): the draft was built for another target or aux count, and served it fails to load or drafts garbage. Retrain for this target with 3 aux layers.")]
     if s[0] != x.key('hidden_size'): return [finding(n, 'FAIL', f"fc.weight has {s[0]} rows but config hidden_size is {x.key('hidden_size')}: config.json and the weights disagree. Re-export.")]
+    if s[0] != H: return [finding(n, 'FAIL', f"the draft is {s[0]} wide but the target is {H}: the draft borrows the target's embeddings, and SGLang's set_embed shares them only when hidden_size equals target_hidden_size (else the draft keeps its own never-loaded embedding, silently); vLLM asserts the widths match. Retrain with the draft hidden_size equal to the target's.")]
     return [finding(n, 'ok', f"fc.weight {s} reads 3 x {H}.")]
 
 # %% ../nbs/71_doctor.ipynb #b7ab8a98

@@ -108,6 +108,7 @@ PLANTS = {
     'vllm_server_url':   (dict(info=None), 'speculative_algorithm', 'vLLM has no such endpoint, so pass --server-args FILE', set()),
     'other_draft_served':(dict(cmd=lambda t, d: sglang_cmd(t, '/srv/other-draft')), 'speculative_algorithm', 'not this export', set()),
     'fc_width_2x':       (dict(tensors=lambda w: w.update({'fc.weight': w['fc.weight'][:, :128].contiguous()})), 'fc_width', 'reads 2 x the target hidden size 64', set()),
+    'draft_narrower':    (dict(config=lambda c: c.update(hidden_size=32), tensors=lambda w: w.update({'fc.weight': w['fc.weight'][:32].contiguous()})), 'fc_width', "the draft is 32 wide but the target is 64", {'lm_head', 'vocab_size'}),
     'aux_vllm_shifted':  (dict(config=_shift('vllm')), 'aux_layer_ids', 'off by one', set()),
     'aux_sglang_shifted':(dict(config=_shift('sglang')), 'aux_layer_ids', 'off by one: SGLang adds 1 to its ids', set()),
     'lm_head_removed':   (dict(tensors=lambda w: w.pop('lm_head.weight')), 'lm_head', 'no lm_head.weight', set()),
