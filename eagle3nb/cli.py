@@ -65,10 +65,13 @@ def _extract(a):
     extract_recipe(a.recipe, modes=a.modes, splits=a.splits, device_map=a.device_map or '', token_budget=a.token_budget)
 
 def _export(a):
-    "eagle3nb export CHECKPOINT --out DIR --target TARGET_DIR [--data DATA_ROOT]: a checkpoint SGLang and vLLM load as EAGLE3"
-    from eagle3nb.export import export_draft, check_export
-    cfg = export_draft(a.checkpoint, a.out, a.target, aux_layers=[int(x) for x in a.aux_layers.split(',')] if a.aux_layers else None,
-                       data_root=a.data)
+    "eagle3nb export CHECKPOINT --out DIR [--target TARGET_DIR] [--data DATA_ROOT]: a checkpoint SGLang and vLLM load as EAGLE3"
+    from eagle3nb.export import export_draft, check_export, run_defaults
+    run = run_defaults(a.checkpoint) if not (a.target and a.data) else {}
+    target, data = a.target or run.get('target'), a.data or run.get('data_root')
+    if not target: raise ValueError(f"{a.checkpoint} is not inside a run folder (papermill_runs/<run_id>/checkpoints/step_N next to recipe.yaml): pass --target TARGET_DIR")
+    cfg = export_draft(a.checkpoint, a.out, target, aux_layers=[int(x) for x in a.aux_layers.split(',')] if a.aux_layers else None,
+                       data_root=data)
     problems = check_export(a.out)
     print(json.dumps(dict(out=a.out, architectures=cfg['architectures'], problems=problems), indent=1))
     if problems: sys.exit(1)
@@ -146,9 +149,9 @@ def parser()->argparse.ArgumentParser:
     ex.add_argument('--token-budget', type=int, default=16384, help='tokens per forward (batch size x longest sample)')
     xp = sub.add_parser('export', help='write an engine-ready EAGLE3 draft (config.json + bf16 model.safetensors)'); xp.set_defaults(fn=_export)
     xp.add_argument('checkpoint', help='a training checkpoint folder, e.g. checkpoints/step_1000')
-    xp.add_argument('--out', required=True); xp.add_argument('--target', required=True, help='the target model directory')
+    xp.add_argument('--out', required=True); xp.add_argument('--target', help="the target model directory (default: the checkpoint's run recipe's)")
     xp.add_argument('--aux-layers', help='comma-separated input-of-layer ids (default: the hidden states\' with --data, else [2, N//2, N-3])')
-    xp.add_argument('--data', help="the recipe's data root (data/<recipe>): writes the training record doctor checks")
+    xp.add_argument('--data', help="the recipe's data root (data/<recipe>; default: the run recipe's): writes the training record doctor checks")
     la = sub.add_parser('launch', help='print the SGLang and vLLM commands that serve a target with an exported draft'); la.set_defaults(fn=_launch)
     la.add_argument('draft', help='exported draft folder'); la.add_argument('--target', required=True, help="the target's path or hub id")
     la.add_argument('--tp', type=int, default=1); la.add_argument('--num-steps', type=int, default=3); la.add_argument('--topk', type=int, default=1)

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['ExportError', 'read_checkpoint', 'engine_aux_ids', 'export_config', 'export_tensors', 'training_record',
-           'export_draft', 'check_export', 'launch_commands']
+           'export_draft', 'check_export', 'run_defaults', 'launch_commands']
 
 # %% ../nbs/70_export.ipynb #8b5e693a
 import json, os, shlex, shutil
@@ -142,6 +142,18 @@ def check_export(out_dir)->list: # problems, empty when the export passes
     if len(w['d2t']) != Vd or len(w['t2d']) != V or not torch.equal(tids.sort().values, w['t2d'].nonzero().flatten()):
         ps.append("d2t does not map the draft vocab onto the ids t2d marks")
     return ps
+
+# %% ../nbs/70_export.ipynb #1de31e13
+def run_defaults(checkpoint_dir)->dict: # {'target': ..., 'data_root': ...}; empty outside a run
+    "The target model folder and data root of the run a checkpoint belongs to (its frozen `recipe.yaml`)"
+    rec = Path(checkpoint_dir).resolve().parent.parent/'recipe.yaml'
+    if not rec.exists(): return {}
+    from eagle3nb.recipe import load_recipe
+    r = load_recipe(rec)
+    if r.target.toy:
+        from eagle3nb.toy import ensure_toy
+        r.target.model = str(ensure_toy(r.target.toy, r.target.model))
+    return dict(target=r.target.model, data_root=r.data_root)
 
 # %% ../nbs/70_export.ipynb #f4c8c468
 def launch_commands(draft_dir,              # the exported draft folder

@@ -100,3 +100,15 @@ def test_launch_commands_parse_back(tmp_path):
     v = shlex.split(c['vllm'])
     assert v[:3] == ['vllm', 'serve', '/models/Kimi-K2.5']
     assert json.loads(v[v.index('--speculative-config') + 1]) == dict(method='eagle3', model=str(tmp_path/'my draft'), num_speculative_tokens=5)
+
+def test_cli_export_reads_target_and_data_from_the_run(ckpt, kimi_tiny, tmp_path, capsys):
+    "A checkpoint inside papermill_runs/<run>/checkpoints/ needs no --target/--data: the run's frozen recipe has them"
+    from eagle3nb.cli import main
+    ck, _, _ = ckpt
+    with pytest.raises(SystemExit) as e: main(['export', str(ck), '--out', str(tmp_path/'out')])  # no recipe.yaml yet
+    assert e.value.code == 1 and 'pass --target TARGET_DIR' in capsys.readouterr().err
+    root = _data_root(tmp_path/'data', aux=[1, 3, 5])
+    (ck.parent.parent/'recipe.yaml').write_text(json.dumps(dict(name='r', target=dict(model=str(kimi_tiny)), data_root=str(root))))
+    main(['export', str(ck), '--out', str(tmp_path/'out')])
+    assert json.loads(capsys.readouterr().out)['problems'] == []
+    assert json.loads((tmp_path/'out'/'eagle3nb.json').read_text())['aux_layers'] == [1, 3, 5]
