@@ -209,4 +209,4 @@ def _log_run(state, stem, status, params=None):
     "Record a phase's status in the recipe's catalog `runs` table; warn instead of failing"
     from eagle3nb.catalog import record_run, CatalogLocked
     try: record_run(state['catalog'], state['run_id'], stem, status, recipe=state['recipe_source'], params=params, timeout=5)
-    except CatalogLocked as e: _tell(f'warning: run not recorded in the catalog: {e}')
+    except (CatalogLocked, OSError) as e: _tell(f'warning: run not recorded in the catalog {state["catalog"]}: {e}')
