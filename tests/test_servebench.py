@@ -1,5 +1,5 @@
 "serve-bench against the live toy server (as baseline and speculative), fake SGLang / vLLM stats endpoints, break-even"
-import http.server, json, math, threading
+import http.server, json, math, threading, time
 from pathlib import Path
 import pytest
 from eagle3nb.merge import load_corpus, merge_recipe, smoke_recipe
@@ -114,3 +114,59 @@ def test_eval_prompts(tmp_path):
     assert 0 < len(ps) == len(ev)
     for p in ps:  # what any chat API accepts: text turns only, ending with the user
         assert p[-1]['role'] == 'user' and all(set(m) == {'role', 'content'} and m['role'] in ('system', 'user', 'assistant') and m['content'] for m in p)
+
+
+class _Engine(http.server.BaseHTTPRequestHandler):
+    "A streaming chat server: `tokens_per_step` tokens every `step_s` seconds; vLLM-style spec counters on /metrics"
+    protocol_version = 'HTTP/1.1'
+    def do_GET(self):
+        if self.path != '/metrics' or self.server.tokens_per_step == 1: return self.send_error(404)
+        with self.server.lock: d, a = self.server.drafts, self.server.accepted
+        b = (f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {d}\n'
+             f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="m"}} {a}\n').encode()
+        self.send_response(200); self.send_header('Content-Length', str(len(b))); self.end_headers(); self.wfile.write(b)
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers['Content-Length'])))
+        n, k = req.get('max_tokens') or 8, self.server.tokens_per_step
+        self.send_response(200); self.send_header('Content-Type', 'text/event-stream'); self.send_header('Connection', 'close'); self.end_headers()
+        chunk = lambda **kw: self.wfile.write(b'data: ' + json.dumps(dict(id='c', object='chat.completion.chunk', created=0, model=req['model'], **kw)).encode() + b'\n\n')
+        sent = 0
+        while sent < n:
+            time.sleep(self.server.step_s)
+            m = min(k, n - sent); sent += m
+            for _ in range(m): chunk(choices=[dict(index=0, delta=dict(content='tok '), finish_reason=None)])
+            self.wfile.flush()
+            if k > 1:
+                with self.server.lock: self.server.drafts += 1; self.server.accepted += k - 1  # k - 1 accepted + the bonus token
+        chunk(choices=[dict(index=0, delta={}, finish_reason='length')])
+        chunk(choices=[], usage=dict(prompt_tokens=5, completion_tokens=n, total_tokens=n + 5))
+        self.wfile.write(b'data: [DONE]\n\n'); self.wfile.flush()
+    def log_message(self, *a): pass
+
+
+@pytest.fixture
+def engines():
+    "A baseline engine (1 token per 10 ms step) and a speculative one (2 tokens per 12 ms step: accept length 2, 20% draft overhead)"
+    srvs = []
+    for k, s in ((1, 0.010), (2, 0.012)):
+        srv = http.server.ThreadingHTTPServer(('127.0.0.1', 0), _Engine)
+        srv.tokens_per_step, srv.step_s, srv.drafts, srv.accepted, srv.lock = k, s, 0, 0, threading.Lock()
+        threading.Thread(target=srv.serve_forever, daemon=True).start(); srvs.append(srv)
+    yield [f'http://127.0.0.1:{s.server_port}/v1' for s in srvs]
+    for s in srvs: s.shutdown(); s.server_close()
+
+
+def test_speculative_engine_end_to_end(engines):
+    "A speculative endpoint that reports its counters: accept length, speedup and break-even come out of one serve_bench"
+    base, spec = engines
+    df = serve_bench(base, spec, 'm', PROMPTS, concurrencies=(1, 2), max_tokens=12)
+    assert (df.ok == len(PROMPTS)).all() and (df.tokens_counted_by == 'usage').all()
+    assert df.accept_len[df.endpoint == 'baseline'].isna().all()
+    assert (df.accept_len[df.endpoint == 'speculative'] == 2.0).all()  # 1 + accepted / drafts over each run's window
+    sp = df.speedup[df.endpoint == 'speculative']
+    assert ((sp > 1.2) & (sp < 2.5)).all(), sp.tolist()  # 2 tokens per 1.2 steps: ~1.67x, loosely
+    be = break_even_table(df)
+    assert list(be.concurrency) == [1, 2]
+    for r in be.itertuples():  # the draft pays above a = c = accept_len x base / spec, about 1.2 here
+        assert r.cost == pytest.approx(r.accept_len * r.base_tok_s / r.spec_tok_s) and r.break_even_accept_len == r.cost
+        assert r.speedup == pytest.approx(r.spec_tok_s / r.base_tok_s) and 0.8 < r.cost < 1.7
