@@ -89,6 +89,9 @@ def _doctor(a):
 def _serve_bench(a):
     "eagle3nb serve-bench --baseline URL --speculative URL --model NAME: output tok/s, TTFT, accept length, break-even"
     from eagle3nb.servebench import serve_bench_cli
+    if a.draft:  # what to launch first: the target with this draft (and, for the baseline, the same without the speculative flags)
+        from eagle3nb.export import launch_commands
+        for eng, cmd in launch_commands(a.draft, a.target or a.model or 'TARGET', tp=a.tp).items(): print(f'# {eng}\n{cmd}\n')
     serve_bench_cli(a.baseline, a.speculative, a.model, prompts=a.prompts, recipe=a.recipe, concurrency=a.concurrency,
                     max_tokens=a.max_tokens, n=a.n, out=a.out)
 
@@ -168,6 +171,8 @@ def parser()->argparse.ArgumentParser:
     sb.add_argument('--recipe', help="eval prompts from this recipe's eval split"); sb.add_argument('--prompts', help='or from a JSONL file of prompts')
     sb.add_argument('--concurrency', default='1,8', help='comma-separated concurrencies'); sb.add_argument('--max-tokens', type=int, default=128)
     sb.add_argument('-n', type=int, default=16, help='prompts per concurrency'); sb.add_argument('--out', help='write the results here (JSON) and break_even.png beside it')
+    sb.add_argument('--draft', help='an exported draft: print the SGLang and vLLM launch commands for it first')
+    sb.add_argument('--target', help='the target path the launch commands load (default: --model)'); sb.add_argument('--tp', type=int, default=1)
     pl = sub.add_parser('plan', help='write the next train_plan_vN.md for a recipe'); pl.set_defaults(fn=_plan)
     pl.add_argument('recipe'); pl.add_argument('--out', help='folder of the plans (default plans/<recipe name>/)')
     rc = sub.add_parser('recipe', help='recipe tools').add_subparsers(dest='recipe_verb', required=True, metavar='ACTION')

@@ -104,6 +104,17 @@ def test_cli_writes_record(toy_server, tmp_path):
     with pytest.raises(ValueError, match='--prompts'): serve_bench_cli(toy_server.base_url, toy_server.base_url)
 
 
+def test_cli_prints_launch_commands_first(toy_server, tmp_path, capsys):
+    "`eagle3nb serve-bench --draft DIR` says how to launch the speculative server before it benches"
+    from eagle3nb.cli import main
+    (tmp_path/'prompts.json').write_text(json.dumps(['Say hi.']))
+    main(['serve-bench', '--baseline', toy_server.base_url, '--speculative', toy_server.base_url, '--prompts', str(tmp_path/'prompts.json'),
+          '--concurrency', '1', '--max-tokens', '4', '--draft', str(tmp_path/'draft'), '--target', '/models/T', '--tp', '8'])
+    out = capsys.readouterr().out
+    assert out.index('# sglang') < out.index('# vllm') < out.index('speculative')
+    assert f'--model-path /models/T --speculative-algorithm EAGLE3 --speculative-draft-model-path {tmp_path/"draft"}' in out and '--tp 8' in out
+
+
 def test_eval_prompts(tmp_path):
     r = smoke_recipe(tmp_path, Path(__file__).parent/'fixtures'/'datasets')
     pre = eval_prompts(r, n=3)  # no corpus yet: the prepared conversations
