@@ -111,7 +111,7 @@ def test_cli_prints_launch_commands_first(toy_server, tmp_path, capsys):
     main(['serve-bench', '--baseline', toy_server.base_url, '--speculative', toy_server.base_url, '--prompts', str(tmp_path/'prompts.json'),
           '--concurrency', '1', '--max-tokens', '4', '--draft', str(tmp_path/'draft'), '--target', '/models/T', '--tp', '8'])
     out = capsys.readouterr().out
-    assert out.index('# sglang') < out.index('# vllm') < out.index('speculative')
+    assert out.index('# sglang') < out.index('# vllm') < out.index('out_tok_s')  # the commands, then the table
     assert f'--model-path /models/T --speculative-algorithm EAGLE3 --speculative-draft-model-path {tmp_path/"draft"}' in out and '--tp 8' in out
 
 
