@@ -382,12 +382,13 @@ def commands(r:Recipe, f:dict)->list: # (phase, what it does, command lines); '#
 def summary(f:dict)->dict:
     "Label -> text of the plan's headline numbers"
     t, g, h, e, tr, p = f['target'], f['generation'], f['hidden'], f['extract'], f['train'], f['params']
-    n_cat = sum(d['source'] == 'catalog' for d in f['datasets'])
+    n_cat, n_est = (sum(d['source'] == s for d in f['datasets']) for s in ('catalog', 'estimate'))
     parts = ' · '.join(f"{x['partition']} {fmt_n(x['samples'])}" for x in f['partitions'])
     s = {'recipe': f"{f['recipe']} ({f['recipe_path']})", 'plan': f"v{f['version'] or '?'}, {f['date']}, run id {f['run_id']}",
          'target': f"{t['model'] or t['toy']}: H={t['hidden_size']}, {t['num_hidden_layers']} layers, vocab {fmt_n(t['vocab_size'])}",
          'aux layers, fc input': f"{t['aux_layers']} -> {fmt_n(t['fc_in'])} = {len(t['aux_layers'])} x {t['hidden_size']}",
-         'datasets': f"{len(f['datasets'])} ({n_cat} from the catalog, {len(f['datasets']) - n_cat} estimated)",
+         'datasets': f"{len(f['datasets'])} ({n_cat} from the catalog, {n_est} estimated"
+                     + (f", {len(f['datasets']) - n_cat - n_est} with no count and not in the catalog)" if len(f['datasets']) > n_cat + n_est else ')'),
          'samples, tokens (before generation)': f"{fmt_n(sum(d['samples'] for d in f['datasets']))} samples, "
                                                f"{fmt_n(sum(d['tokens'] for d in f['datasets']))} tokens",
          'partitions (samples)': parts,
