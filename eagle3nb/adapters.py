@@ -8,7 +8,7 @@ __all__ = ['ALPACA_JOINER', 'read_sharegpt', 'read_openai', 'read_llamafactory_v
 
 # %% ../nbs/11_adapters.ipynb #0d8c2fdd
 import json
-from .schema import Reject, message, tool_call, split_think, conversation, adapter
+from .schema import Reject, message, tool_call, tool_spec, split_think, conversation, adapter
 
 # %% ../nbs/11_adapters.ipynb #96d649ee
 _JSON_NAMES = {dict: 'an object', list: 'a list', str: 'text', int: 'a number', float: 'a number', bool: 'a boolean', type(None): 'null'}
@@ -94,14 +94,7 @@ def _tools(v)->list:
     else: v = _drop_none(v)
     if v is None: return []
     if not isinstance(v, list): raise Reject(f'tools is {_jtype(v)}, not a list')
-    out = []
-    for t in v:
-        f = t.get('function', t) if isinstance(t, dict) else None
-        if not isinstance(f, dict) or not isinstance(f.get('name'), str) or not f['name'].strip():
-            raise Reject('tool spec without a function name')
-        if t.get('type') not in (None, 'function'): raise Reject(f'tool spec of type {_short(t["type"])}')
-        out.append({**t, 'type': 'function'} if f is not t else {'type': 'function', 'function': t})
-    return out
+    return [tool_spec(t) for t in v]
 
 # %% ../nbs/11_adapters.ipynb #ee586d17
 def _parts(parts:list, role:str)->tuple:

@@ -7,7 +7,7 @@ __all__ = ['nebius_swe_agent', 'openhands', 'sweagent_traj', 'xlam', 'glaive', '
 
 # %% ../nbs/12_agent_adapters.ipynb #7f7d012d
 import ast, json, re
-from .schema import Reject, message, tool_call, split_think, conversation, adapter
+from .schema import Reject, message, tool_call, tool_spec, split_think, conversation, adapter
 
 # %% ../nbs/12_agent_adapters.ipynb #66b63697
 def _tname(v): return 'null' if v is None else type(v).__name__
@@ -77,19 +77,12 @@ def _text_call(d)->dict:
     return _call(d.get('name'), d['arguments'])
 
 # %% ../nbs/12_agent_adapters.ipynb #de220d2a
-def _spec(t)->dict:
-    "OpenAI function spec from a spec or a bare function object"
-    if isinstance(t, dict) and t.get('type') == 'function' and isinstance(t.get('function'), dict) \
-       and isinstance(t['function'].get('name'), str): return t
-    if isinstance(t, dict) and isinstance(t.get('name'), str) and 'function' not in t: return dict(type='function', function=t)
-    raise Reject('tool spec without a function name')
-
 def _tool_list(v):
     "Tool specs from a `tools` column (list, or JSON/Python text); None when absent"
     if v is None or v == '': return None
     if isinstance(v, str): v = _literal(v, 'tools')
     if not isinstance(v, list): raise Reject('tools is not a list')
-    return [_spec(t) for t in v]
+    return [tool_spec(t) for t in v]
 
 # %% ../nbs/12_agent_adapters.ipynb #e677da7d
 def _text(v, what:str)->str:
@@ -301,7 +294,7 @@ def _glaive_system(system:str)->tuple:
     while rest:
         try: f, end = dec.raw_decode(rest)
         except (ValueError, RecursionError): raise Reject('glaive functions do not parse') from None
-        tools += [_spec(o) for o in (f if isinstance(f, list) else [f])]
+        tools += [tool_spec(o) for o in (f if isinstance(f, list) else [f])]
         rest = rest[end:].lstrip()
     return text, tools
 
@@ -359,7 +352,7 @@ def _hermes_system_tools(value:str)->list:
     blocks = [b for b in blocks if b.strip()]  # the protocol text itself mentions an empty "<tools> </tools>"
     if len(blocks) > 1: raise Reject('several <tools> blocks')
     v = _literal(blocks[0].strip(), 'tools block') if blocks else []
-    return [_spec(t) for t in (v if isinstance(v, list) else [v])]
+    return [tool_spec(t) for t in (v if isinstance(v, list) else [v])]
 
 # %% ../nbs/12_agent_adapters.ipynb #71fb5b77
 _CALL_BLOCK = re.compile(r'<tool_call>(.*?)</tool_call>', re.S)

@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'KINDS', 'ROLES', 'JSON_FIELDS', 'ADAPTERS', 'Reject', 'sample_id', 'message', 'parse_arguments',
-           'tool_call', 'split_think', 'kimi_call_id', 'link_tool_calls', 'clean_messages', 'check_conversation',
-           'conversation', 'to_record', 'from_record', 'adapter']
+           'tool_call', 'tool_spec', 'split_think', 'kimi_call_id', 'link_tool_calls', 'clean_messages',
+           'check_conversation', 'conversation', 'to_record', 'from_record', 'adapter']
 
 # %% ../nbs/10_schema.ipynb #6e7dd762
 import hashlib, json, re
@@ -48,6 +48,16 @@ def tool_call(name:str, arguments, id:str=None)->dict:
     "A canonical tool call (OpenAI shape, arguments as an object)"
     if not isinstance(name, str) or not name.strip(): raise Reject('tool call without a function name')
     return dict(id=id, type='function', function=dict(name=name, arguments=parse_arguments(arguments)))
+
+# %% ../nbs/10_schema.ipynb #5474e21e
+def tool_spec(t)->dict:
+    "An OpenAI function spec from a spec or a bare function object; `Reject` without a function name"
+    f = t.get('function', t) if isinstance(t, dict) else None
+    if not isinstance(f, dict) or not isinstance(f.get('name'), str) or not f['name'].strip():
+        raise Reject('tool spec without a function name')
+    if t.get('type') not in (None, 'function'):
+        ty = t['type']; raise Reject(f"tool spec of type {repr(ty[:30]) if isinstance(ty, str) else type(ty).__name__}")
+    return {**t, 'type': 'function'} if f is not t else {'type': 'function', 'function': t}
 
 # %% ../nbs/10_schema.ipynb #639538cd
 _THINK = re.compile(r'^\s*<think>(.*?)</think>', re.S)
