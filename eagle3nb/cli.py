@@ -27,7 +27,11 @@ def _toy_list(a):
     print('\n'.join(TOYS))
 
 def _serve(a):
-    "eagle3nb serve DIR --port P: serve a model directory in the foreground"
+    "eagle3nb serve DIR --port P [--engine vllm]: serve a model directory in the foreground"
+    if a.engine == 'vllm':
+        from eagle3nb.engine import serve_engine
+        spec = dict(method='eagle3', model=str(Path(a.draft).resolve()), num_speculative_tokens=a.num_speculative_tokens) if a.draft else None
+        return serve_engine(a.model_dir, port=a.port, host=a.host, speculative=spec, python=a.vllm)
     from eagle3nb.server import serve
     serve(a.model_dir, port=a.port, host=a.host)
 
@@ -95,6 +99,12 @@ def _serve_bench(a):
     serve_bench_cli(a.baseline, a.speculative, a.model, prompts=a.prompts, recipe=a.recipe, concurrency=a.concurrency,
                     max_tokens=a.max_tokens, n=a.n, out=a.out)
 
+def _verify(a):
+    "eagle3nb verify DRAFT --target T: serve the draft in vLLM; greedy identity, acceptance, offline estimate"
+    from eagle3nb.verify import verify_cli
+    sys.exit(verify_cli(a.draft, a.target, prompts=a.prompts, recipe=a.recipe, n=a.n, max_tokens=a.max_tokens,
+                        k=a.num_speculative_tokens, json_out=a.json, offline=not a.no_offline, engine=a.vllm))
+
 def _plan(a):
     "eagle3nb plan RECIPE [--out DIR]: write the next train_plan_vN.md"
     from eagle3nb.plan import plan_cli
@@ -123,6 +133,9 @@ def parser()->argparse.ArgumentParser:
     t.add_parser('list', help='list toy targets').set_defaults(fn=_toy_list)
     s = sub.add_parser('serve', help='serve a model directory (OpenAI-compatible) in the foreground'); s.set_defaults(fn=_serve)
     s.add_argument('model_dir'); s.add_argument('--port', type=int, default=8000); s.add_argument('--host', default='127.0.0.1')
+    s.add_argument('--engine', choices=['transformers', 'vllm'], default='transformers', help='transformers serve (default) or vLLM (make engine)')
+    s.add_argument('--draft', help='with --engine vllm: an exported EAGLE-3 draft to serve with the target')
+    s.add_argument('--num-speculative-tokens', type=int, default=3); s.add_argument('--vllm', help='a vLLM venv or its python (default $EAGLE3NB_VLLM, else .venv-vllm)')
     pp = sub.add_parser('prepare', help='read one raw dataset into canonical conversations'); pp.set_defaults(fn=_prepare)
     pp.add_argument('--format', required=True, help='adapter: sharegpt, openai, alpaca, sweagent_traj, ...')
     pp.add_argument('--input', required=True, help='raw file, folder, or hub dataset id')
@@ -173,6 +186,13 @@ def parser()->argparse.ArgumentParser:
     sb.add_argument('-n', type=int, default=16, help='prompts per concurrency'); sb.add_argument('--out', help='write the results here (JSON) and break_even.png beside it')
     sb.add_argument('--draft', help='an exported draft: print the SGLang and vLLM launch commands for it first')
     sb.add_argument('--target', help='the target path the launch commands load (default: --model)'); sb.add_argument('--tp', type=int, default=1)
+    vf = sub.add_parser('verify', help='serve an exported draft in vLLM: greedy output unchanged, acceptance counted, offline estimate beside it'); vf.set_defaults(fn=_verify)
+    vf.add_argument('draft', help='exported draft folder'); vf.add_argument('--target', required=True, help='the target model folder')
+    vf.add_argument('--prompts', help='JSONL: prompt_token_ids, prompt (text) or messages per line'); vf.add_argument('--recipe', help="or the recipe's eval split")
+    vf.add_argument('--n', type=int, default=16, help='prompts'); vf.add_argument('--max-tokens', type=int, default=64)
+    vf.add_argument('--num-speculative-tokens', type=int, default=3); vf.add_argument('--json', help='write the figures here')
+    vf.add_argument('--no-offline', action='store_true', help='skip our offline estimate (a target too big to load here)')
+    vf.add_argument('--vllm', help='a vLLM venv or its python (default $EAGLE3NB_VLLM, else .venv-vllm)')
     pl = sub.add_parser('plan', help='write the next train_plan_vN.md for a recipe'); pl.set_defaults(fn=_plan)
     pl.add_argument('recipe'); pl.add_argument('--out', help='folder of the plans (default plans/<recipe name>/)')
     rc = sub.add_parser('recipe', help='recipe tools').add_subparsers(dest='recipe_verb', required=True, metavar='ACTION')
@@ -187,9 +207,10 @@ def _user_errors():
     from eagle3nb.server import ServerNotReady, ModelMismatch
     from eagle3nb.catalog import CatalogLocked
     from eagle3nb.export import ExportError
+    from eagle3nb.engine import EngineError
     # ValueError covers RecipeError, PrepareError, ExportError and the phases' checks of their inputs, whose
     # messages name the bad value and what to do; EAGLE3NB_DEBUG=1 brings the traceback back
-    return (RecipeError, PhaseFailed, ServerNotReady, ModelMismatch, CatalogLocked, ExportError, FileNotFoundError, FileExistsError, ValueError)
+    return (EngineError, RecipeError, PhaseFailed, ServerNotReady, ModelMismatch, CatalogLocked, ExportError, FileNotFoundError, FileExistsError, ValueError)
 
 def main(argv=None):
     "Entry point of the `eagle3nb` command"

