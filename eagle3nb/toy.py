@@ -78,7 +78,7 @@ class ToySpec:
 
 # %% ../nbs/02_toy.ipynb #834e3c65
 _KIMI_MODEL = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=8,
-    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=512, qk_nope_head_dim=16,
+    num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=512, qk_nope_head_dim=16,
     qk_rope_head_dim=64, v_head_dim=80, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
     topk_group=1, topk_method='noaux_tc', scoring_func='sigmoid', moe_layer_freq=1, first_k_dense_replace=1,
     routed_scaling_factor=2.827, norm_topk_prob=True, num_nextn_predict_layers=0, max_position_embeddings=131072,
