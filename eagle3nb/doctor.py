@@ -4,9 +4,9 @@
 
 # %% auto #0
 __all__ = ['RECORD', 'CHECKS', 'DoctorError', 'read_server_args', 'server_args_from_url', 'DraftExport', 'target_lm_head_rows',
-           'finding', 'toy_export', 'check_speculative_algorithm', 'check_fc_width', 'check_aux_layer_ids',
-           'check_lm_head', 'check_vocab_maps', 'check_special_tokens', 'check_vocab_size', 'check_chat_template',
-           'doctor', 'doctor_report', 'doctor_cli']
+           'finding', 'toy_export', 'check_speculative_algorithm', 'check_fc_width', 'check_head_dim',
+           'check_aux_layer_ids', 'check_lm_head', 'check_vocab_maps', 'check_special_tokens', 'check_vocab_size',
+           'check_chat_template', 'doctor', 'doctor_report', 'doctor_cli']
 
 # %% ../nbs/71_doctor.ipynb #0a32c220
 import json, math, os, re, shlex, tempfile, textwrap
@@ -17,7 +17,7 @@ import pandas as pd
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig
-from .draft import new_draft
+from .draft import ENGINE_HEAD_SIZES, FLASHINFER_HEAD_SIZES, new_draft
 from .export import export_draft
 from .recipe import default_aux_layers
 from .render import load_tokenizer, template_sha256, tokenizer_sha256
@@ -195,7 +195,7 @@ def target_lm_head_rows(target_dir,              # the target model folder
     return torch.cat(out) if out else None
 
 # %% ../nbs/71_doctor.ipynb #a9d95b7a
-CHECKS = ('speculative_algorithm', 'fc_width', 'aux_layer_ids', 'lm_head', 'vocab_maps', 'special_tokens', 'vocab_size', 'chat_template')
+CHECKS = ('speculative_algorithm', 'fc_width', 'head_dim', 'aux_layer_ids', 'lm_head', 'vocab_maps', 'special_tokens', 'vocab_size', 'chat_template')
 
 def finding(check:str, status:str, detail:str)->dict:
     assert check in CHECKS and status in ('ok', 'FAIL', 'n/a'), (check, status)
@@ -269,6 +269,27 @@ def check_fc_width(x:DraftExport)->list:
     if s[0] != H: return [finding(n, 'FAIL', f"the draft is {s[0]} wide but the target is {H}: the draft borrows the target's embeddings, and SGLang's set_embed shares them only when hidden_size equals target_hidden_size (else the draft keeps its own never-loaded embedding, silently); vLLM asserts the widths match. Retrain with the draft hidden_size equal to the target's.")]
     return [finding(n, 'ok', f"fc.weight {s} reads 3 x {H}.")]
 
+# %% ../nbs/71_doctor.ipynb #4fda5e9b
+def _gpu_note(hd:int)->str:
+    fa = 'FlashAttention has it' if hd % 8 == 0 and hd <= 256 else 'FlashAttention lacks it (multiples of 8 up to 256)'
+    fi = 'FlashInfer has it' if hd in FLASHINFER_HEAD_SIZES else f"FlashInfer lacks it ({', '.join(map(str, FLASHINFER_HEAD_SIZES))})"
+    return f"on GPUs {fa}, {fi}"
+
+def check_head_dim(x:DraftExport)->list:
+    "The draft's attention head size is one the engines' kernels support, and the weights have it"
+    n, c = 'head_dim', x.config
+    nh, nkv = c.get('num_attention_heads'), c.get('num_key_value_heads') or c.get('num_attention_heads')
+    hd = c.get('head_dim') or (c.get('hidden_size', 0) // nh if nh else None)
+    if not hd: return [finding(n, 'FAIL', "config.json has neither head_dim nor num_attention_heads: the engine cannot size the draft's attention. Re-export.")]
+    sizes = ', '.join(map(str, ENGINE_HEAD_SIZES))
+    if hd not in ENGINE_HEAD_SIZES: return [finding(n, 'FAIL', f"the draft's attention head size is {hd}, which vLLM's CPU attention does not run (it runs {sizes}); {_gpu_note(hd)}. The engine loads the draft and fails on the first request (\"Unsupported CPU attention configuration: head_dim={hd}\"). Retrain with a supported head size: 128 (train parameter head_dim), or the target's own head_dim.")]
+    want = {'q_proj': (nh * hd, None), 'k_proj': (nkv * hd, None), 'v_proj': (nkv * hd, None), 'o_proj': (None, nh * hd)}
+    for p, (rows, cols) in want.items():
+        s = x.shape(f'midlayer.self_attn.{p}.weight')
+        if s is not None and ((rows and s[0] != rows) or (cols and s[1] != cols)):
+            return [finding(n, 'FAIL', f"midlayer.self_attn.{p}.weight is {s}, but {nh} heads / {nkv} kv heads of size {hd} need {'rows' if rows else 'columns'} = {rows or cols}: config.json and the weights disagree, and the engine fails to load the draft. Re-export.")]
+    return [finding(n, 'ok', f"head size {hd} runs on vLLM's CPU attention; {_gpu_note(hd)}.")]
+
 # %% ../nbs/71_doctor.ipynb #b7ab8a98
 def _shifted(a, b)->bool: return len(a) == len(b) and (all(p == q + 1 for p, q in zip(a, b)) or all(p == q - 1 for p, q in zip(a, b)))
 
@@ -305,6 +326,7 @@ def _fresh_init(w:torch.Tensor)->bool:
 def _draft_tids(x:DraftExport)->torch.Tensor|None:
     "Ascending in-range target ids of the draft vocab, or None if d2t is missing or broken (vocab_maps says why)"
     d2t, V = x.tensor('d2t'), x.config.get('vocab_size')
+    if d2t is None and V is not None and x.config.get('draft_vocab_size') == V: return torch.arange(V)  # full vocab: no map
     if d2t is None or V is None or d2t.is_floating_point(): return None
     t = torch.arange(len(d2t)) + d2t.long()
     return t if len(t) and bool((t[1:] > t[:-1]).all()) and 0 <= int(t[0]) and int(t[-1]) < V else None
@@ -337,6 +359,9 @@ def check_vocab_maps(x:DraftExport)->list:
     "d2t int64 (Vd,), t2d bool (V,), and both name the same ascending in-range target ids"
     n, V, Vd = 'vocab_maps', x.key('vocab_size'), x.key('draft_vocab_size')
     d2t, t2d = x.tensor('d2t'), x.tensor('t2d')
+    if Vd == V:
+        if d2t is None and t2d is None: return [finding(n, 'ok', f"the draft covers the whole vocabulary ({V} ids) and carries no d2t/t2d, as vLLM and SGLang expect.")]
+        return [finding(n, 'FAIL', f"the draft covers the whole vocabulary (draft_vocab_size = vocab_size = {V}) but model.safetensors has {' and '.join(k for k, t in (('d2t', d2t), ('t2d', t2d)) if t is not None)}: vLLM 0.32 has no draft_id_to_target_id for a full-vocabulary draft and fails to load it (\"There is no module or parameter named 'draft_id_to_target_id'\"). Re-export with eagle3nb export, which leaves the maps out.")]
     if d2t is None or t2d is None: return [finding(n, 'FAIL', f"model.safetensors has no {'d2t' if d2t is None else 't2d'}: the engine then maps draft ids to the wrong target tokens, and nearly nothing is accepted. Re-export from a training checkpoint.")]
     F = lambda s: finding(n, 'FAIL', s + " The draft then proposes the wrong target tokens: low acceptance, no error. Rebuild the maps (eagle3nb vocab) and re-export.")
     out = [F(f"{k} is {str(t.dtype)[6:]}, not {str(want)[6:]}.") for k, t, want in (('d2t', d2t, torch.int64), ('t2d', t2d, torch.bool)) if t.dtype != want]
@@ -425,7 +450,7 @@ def doctor(draft_dir,            # an export folder (config.json, model.safetens
     def spec(x):
         if isinstance(sa, DoctorError): raise sa
         return check_speculative_algorithm(x, sa)
-    fns = dict(speculative_algorithm=spec, fc_width=check_fc_width, aux_layer_ids=check_aux_layer_ids, lm_head=check_lm_head,
+    fns = dict(speculative_algorithm=spec, fc_width=check_fc_width, head_dim=check_head_dim, aux_layer_ids=check_aux_layer_ids, lm_head=check_lm_head,
                vocab_maps=check_vocab_maps, special_tokens=check_special_tokens, vocab_size=check_vocab_size, chat_template=check_chat_template)
     return pd.DataFrame([_row(n, fns[n], x) for n in CHECKS], columns=['check', 'status', 'detail'])
 

@@ -56,12 +56,14 @@ def _target_text_cfg(target_dir):
     return c.get_text_config() if hasattr(c, 'get_text_config') else c
 
 def export_tensors(sd:dict, target_hidden:int)->dict:
-    "Checkpoint tensors as exported: floats in bf16, `d2t` int64, `t2d` bool; refuse a headless or misfitted draft"
+    "Checkpoint tensors as exported: floats in bf16, `d2t` int64, `t2d` bool (none for a full vocab); refuse a misfit"
     if 'lm_head.weight' not in sd: raise ExportError("checkpoint has no lm_head.weight")
     if 'fc.weight' not in sd or sd['fc.weight'].shape[1] != 3 * target_hidden:
         raise ExportError(f"fc.weight {tuple(sd['fc.weight'].shape) if 'fc.weight' in sd else None} does not read 3 x {target_hidden}")
     out = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in sd.items() if 'embed' not in k}
-    out['d2t'], out['t2d'] = sd['d2t'].long(), sd['t2d'].bool()
+    d2t, t2d = out.pop('d2t').long(), out.pop('t2d').bool()
+    if len(d2t) < len(t2d): out['d2t'], out['t2d'] = d2t, t2d  # a reduced vocabulary: the engines need the maps
+    elif d2t.any() or not t2d.all(): raise ExportError("the draft covers the whole vocabulary but its d2t/t2d are not the identity")
     return out
 
 # %% ../nbs/70_export.ipynb #bad72ae1
@@ -123,25 +125,33 @@ def export_draft(checkpoint_dir,   # a `checkpoints/step_N` folder
     return cfg
 
 # %% ../nbs/70_export.ipynb #471b8865
-def check_export(out_dir)->list: # problems, empty when the export passes
-    "Basic checks of an exported draft folder"
-    d = Path(out_dir); c = json.loads((d/'config.json').read_text()); w = load_file(str(d/'model.safetensors'))
-    ps = [f"missing {k}" for k in ('fc.weight', 'norm.weight', 'lm_head.weight', 'd2t', 't2d') if k not in w]
-    if not any(k.startswith('midlayer.') for k in w): ps.append("no midlayer.* weights")
-    ps += [f"unexpected {k}" for k in w if 'embed_tokens' in k]
-    ps += [f"{k} is {v.dtype}, not bf16" for k, v in w.items() if v.is_floating_point() and v.dtype != torch.bfloat16]
+def _check_maps(w:dict, Vd:int, V:int)->list:
+    "Problems with the vocab maps: required for a reduced vocabulary, absent for a full one"
+    if Vd == V: return [f"{k} present in a full-vocabulary export: vLLM 0.32 fails to load it" for k in ('d2t', 't2d') if k in w]
+    ps = [f"missing {k}" for k in ('d2t', 't2d') if k not in w]
     if ps: return ps
     if w['d2t'].dtype != torch.int64: ps.append(f"d2t is {w['d2t'].dtype}, not int64")
     if w['t2d'].dtype != torch.bool: ps.append(f"t2d is {w['t2d'].dtype}, not bool")
-    if w['fc.weight'].shape[1] != 3 * c['target_hidden_size']: ps.append(f"fc.weight {tuple(w['fc.weight'].shape)} does not read 3 x {c['target_hidden_size']}")
-    Vd, V = c['draft_vocab_size'], c['vocab_size']
-    if w['lm_head.weight'].shape[0] != Vd: ps.append(f"lm_head has {w['lm_head.weight'].shape[0]} rows, draft_vocab_size is {Vd}")
     if len(w['t2d']) != V: ps.append(f"t2d has length {len(w['t2d'])}, vocab_size is {V}")
     if int(w['t2d'].sum()) != Vd: ps.append(f"t2d marks {int(w['t2d'].sum())} ids, draft_vocab_size is {Vd}")
     tids = torch.arange(len(w['d2t'])) + w['d2t']  # target id of each draft index
     if len(w['d2t']) != Vd or len(w['t2d']) != V or not torch.equal(tids.sort().values, w['t2d'].nonzero().flatten()):
         ps.append("d2t does not map the draft vocab onto the ids t2d marks")
     return ps
+
+# %% ../nbs/70_export.ipynb #95225d86
+def check_export(out_dir)->list: # problems, empty when the export passes
+    "Basic checks of an exported draft folder"
+    d = Path(out_dir); c = json.loads((d/'config.json').read_text()); w = load_file(str(d/'model.safetensors'))
+    ps = [f"missing {k}" for k in ('fc.weight', 'norm.weight', 'lm_head.weight') if k not in w]
+    if not any(k.startswith('midlayer.') for k in w): ps.append("no midlayer.* weights")
+    ps += [f"unexpected {k}" for k in w if 'embed_tokens' in k]
+    ps += [f"{k} is {v.dtype}, not bf16" for k, v in w.items() if v.is_floating_point() and v.dtype != torch.bfloat16]
+    if ps: return ps
+    if w['fc.weight'].shape[1] != 3 * c['target_hidden_size']: ps.append(f"fc.weight {tuple(w['fc.weight'].shape)} does not read 3 x {c['target_hidden_size']}")
+    Vd, V = c['draft_vocab_size'], c['vocab_size']
+    if w['lm_head.weight'].shape[0] != Vd: ps.append(f"lm_head has {w['lm_head.weight'].shape[0]} rows, draft_vocab_size is {Vd}")
+    return ps + _check_maps(w, Vd, V)
 
 # %% ../nbs/70_export.ipynb #1de31e13
 def run_defaults(checkpoint_dir)->dict: # {'target': ..., 'data_root': ...}; empty outside a run

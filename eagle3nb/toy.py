@@ -74,25 +74,28 @@ class ToySpec:
     thinking_kwarg:str          # chat-template kwarg that switches thinking on
     vocab_multiple:int = 1      # pad the model's vocab_size up to a multiple of this
     seed:int = 0                # torch seed for the random weights
+    drop_keys:tuple = ()        # config.json keys transformers adds that the real model's config.json lacks
 
 # %% ../nbs/02_toy.ipynb #834e3c65
 _KIMI_MODEL = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=8,
-    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
-    qk_rope_head_dim=8, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
-    topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.827, norm_topk_prob=True,
-    num_nextn_predict_layers=0, max_position_embeddings=131072, tie_word_embeddings=False, initializer_range=0.5,
+    num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=512, qk_nope_head_dim=16,
+    qk_rope_head_dim=64, v_head_dim=80, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
+    topk_group=1, topk_method='noaux_tc', scoring_func='sigmoid', moe_layer_freq=1, first_k_dense_replace=1,
+    routed_scaling_factor=2.827, norm_topk_prob=True, num_nextn_predict_layers=0, max_position_embeddings=131072,
+    tie_word_embeddings=False, initializer_range=0.5,
     rope_parameters=dict(rope_type='yarn', rope_theta=50000.0, factor=32.0, original_max_position_embeddings=4096,
                          beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))
 _QWEN3_MODEL = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=8, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=40960, tie_word_embeddings=True,
+    num_key_value_heads=2, head_dim=32, max_position_embeddings=40960, tie_word_embeddings=True,
     initializer_range=0.5, rope_parameters=dict(rope_type='default', rope_theta=1000000.0))
 
 # %% ../nbs/02_toy.ipynb #622f74c9
 TOYS = {s.name: s for s in [
-    ToySpec('kimi-tiny', 1, 'DeepseekV3Config', _KIMI_MODEL, 'kimi-k2-thinking.jinja', 3840, kimi_slots(3840),
+    ToySpec('kimi-tiny', 2, 'DeepseekV3Config', _KIMI_MODEL, 'kimi-k2-thinking.jinja', 3840, kimi_slots(3840),
             dict(bos_token='[BOS]', eos_token='<|im_end|>', pad_token='[PAD]', unk_token='[UNK]'),
-            dict(bos_token_id='[BOS]', eos_token_id='<|im_end|>', pad_token_id='[PAD]'), ('<|im_end|>',), 'thinking'),
-    ToySpec('qwen3-tiny', 1, 'Qwen3Config', _QWEN3_MODEL, 'qwen3-0.6b.jinja', 3900, qwen3_slots(),
+            dict(bos_token_id='[BOS]', eos_token_id='<|im_end|>', pad_token_id='[PAD]'), ('<|im_end|>',), 'thinking',
+            drop_keys=('head_dim', 'qk_head_dim')),
+    ToySpec('qwen3-tiny', 2, 'Qwen3Config', _QWEN3_MODEL, 'qwen3-0.6b.jinja', 3900, qwen3_slots(),
             dict(eos_token='<|im_end|>', pad_token='<|endoftext|>'),
             dict(bos_token_id='<|endoftext|>', eos_token_id='<|im_end|>', pad_token_id='<|endoftext|>'),
             ('<|im_end|>', '<|endoftext|>'), 'enable_thinking', vocab_multiple=128)]}
@@ -174,6 +177,9 @@ def make_model(spec:ToySpec, tok):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        with torch.no_grad():
+            for n, b in m.named_buffers():  # (n_routed_experts,) per MoE layer; std 0.5 = initializer_range
+                if n.endswith('e_score_correction_bias'): b.copy_(torch.randn_like(b) * 0.5)
     eos = [tok.convert_tokens_to_ids(t) for t in spec.gen_eos]
     m.generation_config = GenerationConfig(bos_token_id=cfg.bos_token_id, pad_token_id=cfg.pad_token_id,
                                            eos_token_id=eos[0] if len(eos) == 1 else eos)
@@ -200,6 +206,9 @@ def write_toy(spec:ToySpec, d:Path):
     tok = make_tokenizer(spec)
     tok.save_pretrained(d)
     make_model(spec, tok).save_pretrained(d)  # safetensors, float32
+    if spec.drop_keys:
+        cfg = json.loads((d/'config.json').read_text())
+        (d/'config.json').write_text(json.dumps({k: v for k, v in cfg.items() if k not in spec.drop_keys}, indent=2, sort_keys=True) + '\n')
     (d/MARKER).write_text(json.dumps(dict(name=spec.name, version=spec.version, builder='eagle3nb.toy'), indent=1))
 
 # %% ../nbs/02_toy.ipynb #5fc05443

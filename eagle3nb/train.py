@@ -411,8 +411,14 @@ def plot_metrics(ms:list,       # `read_metrics(run_dir)`
     return axs
 
 # %% ../nbs/61_train.ipynb #26e0b0c4
+def _tied(d:Path)->bool:
+    "Does the target's config.json tie lm_head to the input embeddings? (absent: transformers' default, tied)"
+    try: c = json.loads((d/'config.json').read_text())
+    except (OSError, ValueError): return False
+    return bool((c.get('text_config') or c).get('tie_word_embeddings', True))
+
 def target_tensors(model_dir)->dict: # embed (V, H), lm_head (V, H)
-    "The target's input embeddings and lm_head, read from its safetensors files alone"
+    "The target's input embeddings and lm_head (the embeddings when tied), read from its safetensors files alone"
     from safetensors import safe_open
     d = Path(model_dir)
     idx = d/'model.safetensors.index.json'
@@ -420,7 +426,7 @@ def target_tensors(model_dir)->dict: # embed (V, H), lm_head (V, H)
     out = {}
     for want, suffix in (('embed', 'embed_tokens.weight'), ('lm_head', 'lm_head.weight')):
         names = sorted((k for k in wm if k.endswith(suffix) and 'mtp' not in k), key=len)  # shortest: the text model's
-        if not names: raise KeyError(f"{model_dir}: no tensor named *{suffix}")
+        if not names and want == 'lm_head' and _tied(d): out['lm_head'] = out['embed']; continue  # tied embeddings
+        if not names: raise KeyError(f"{model_dir}: no tensor named *{suffix}" + (" and config.json has tie_word_embeddings false" if want == 'lm_head' else ""))
         with safe_open(str(d/wm[names[0]]), 'pt') as f: out[want] = f.get_tensor(names[0])
-    if 'lm_head' not in out: out['lm_head'] = out['embed']  # tied embeddings
     return out

@@ -99,6 +99,9 @@ def _drop_think(w, tid=3862, spare=3861):  # <think> out of the draft vocab, an 
     t[t == tid] = spare; t = t.sort().values
     w['d2t'] = t - torch.arange(len(t)); w['t2d'] = torch.zeros_like(w['t2d']); w['t2d'][t] = True
 
+def _full_with_maps(w):  # a full-vocabulary draft that still carries (identity) maps, as exports did before
+    w.update({'lm_head.weight': torch.randn(4096, 64).bfloat16(), 'd2t': torch.zeros(4096, dtype=torch.long), 't2d': torch.ones(4096, dtype=torch.bool)})
+
 # name: (how to plant it: kwargs of copy_of, plus server args), the check that must fail, words its FAIL row must hold,
 # and the other checks that fail too as a consequence
 PLANTS = {
@@ -109,6 +112,8 @@ PLANTS = {
     'other_draft_served':(dict(cmd=lambda t, d: sglang_cmd(t, '/srv/other-draft')), 'speculative_algorithm', 'not this export', set()),
     'fc_width_2x':       (dict(tensors=lambda w: w.update({'fc.weight': w['fc.weight'][:, :128].contiguous()})), 'fc_width', 'reads 2 x the target hidden size 64', set()),
     'draft_narrower':    (dict(config=lambda c: c.update(hidden_size=32), tensors=lambda w: w.update({'fc.weight': w['fc.weight'][:32].contiguous()})), 'fc_width', "the draft is 32 wide but the target is 64", {'lm_head', 'vocab_size'}),
+    'head_dim_16':       (dict(config=lambda c: c.update(head_dim=16)), 'head_dim', "head size is 16, which vLLM's CPU attention does not run", set()),
+    'full_vocab_maps':   (dict(config=lambda c: c.update(draft_vocab_size=4096), record=lambda r: r.update(draft_vocab_size=4096), tensors=_full_with_maps), 'vocab_maps', "covers the whole vocabulary (draft_vocab_size = vocab_size = 4096) but model.safetensors has d2t and t2d", set()),
     'aux_vllm_shifted':  (dict(config=_shift('vllm')), 'aux_layer_ids', 'off by one', set()),
     'aux_sglang_shifted':(dict(config=_shift('sglang')), 'aux_layer_ids', 'off by one: SGLang adds 1 to its ids', set()),
     'lm_head_removed':   (dict(tensors=lambda w: w.pop('lm_head.weight')), 'lm_head', 'no lm_head.weight', set()),
@@ -149,7 +154,7 @@ def test_lm_head_copy_of_target_rows(good, kimi_tiny, tmp_path):
 def test_broken_export_never_raises(good, kimi_tiny, tmp_path):
     d = copy_of(good, tmp_path); (d/'config.json').write_text('{not json'); (d/'model.safetensors').unlink()
     df = doctor(d, kimi_tiny, server_args='no such file').set_index('check')
-    assert (df.status == 'FAIL').sum() == 7 and 'cannot read' in df.detail['fc_width'] and 'neither a file' in df.detail['speculative_algorithm']
+    assert (df.status == 'FAIL').sum() == 8 and 'cannot read' in df.detail['fc_width'] and 'neither a file' in df.detail['speculative_algorithm']
     assert doctor_cli(d, kimi_tiny) == 1
 
 
@@ -159,3 +164,13 @@ def test_no_training_record(good, kimi_tiny, tmp_path):
     assert df.status['chat_template'] == 'n/a' and not (df.status == 'FAIL').any()
     assert f"no eagle3nb.json training record in {d}: export with --data DATA_ROOT to check this" in df.detail['chat_template']
     assert 'export with --data DATA_ROOT' in df.detail['aux_layer_ids']
+
+
+def test_full_vocab_export_passes(kimi_tiny, tmp_path):
+    "A draft over the whole vocabulary (4096 of 4096) exports without d2t/t2d, and doctor passes it"
+    d = toy_export(kimi_tiny, tmp_path/'full', draft_vocab=4096)
+    w = load_file(str(d/'model.safetensors'))
+    assert 'd2t' not in w and 't2d' not in w and w['lm_head.weight'].shape == (4096, 64)
+    df = doctor(d, kimi_tiny).set_index('check')
+    assert (df.status != 'FAIL').all(), df.to_dict('index')
+    assert 'carries no d2t/t2d' in df.detail['vocab_maps']

@@ -146,7 +146,8 @@ def test_final_equals_logits(toy):
     with torch.no_grad(): final = tgt.model(s['input_ids'][None]).last_hidden_state[0]  # after the final norm
     pa, oka = target_dist(s, tids, t2d)
     pb, okb = target_dist(dict(final=final), tids, t2d, lm_head=toy['lm_head'])
-    torch.testing.assert_close(pa, pb, atol=1e-5, rtol=1e-4); assert torch.equal(oka, okb)
+    # batched (toy_samples) vs one-sequence fp32 forwards differ by ~1e-4 through kimi-tiny's 512-wide MLA latent
+    torch.testing.assert_close(pa, pb, atol=1e-3, rtol=1e-3); assert torch.equal(oka, okb)
 
 CHILD = textwrap.dedent('''
     import sys, torch

@@ -102,3 +102,20 @@ def test_recipe_errors_name_the_key(tmp_path, run_id):
     p = eagle3nb('run', bad, '--run-id', run_id)
     assert p.returncode == 1 and 'secrets never go in a recipe' in p.stderr
     assert not (ROOT/'papermill_runs'/run_id).exists()
+
+
+def test_prompt_only_recipe_through_generate(tmp_path, kimi_tiny, toy_server, run_id):
+    "A recipe whose only dataset is prompt-only (nothing supervised before generate) runs target_check to generate"
+    p = tmp_path/'recipe.yaml'
+    p.write_text(json.dumps(dict(name='t', target=dict(model=str(kimi_tiny), endpoints=[toy_server.base_url]),
+                                 catalog=str(tmp_path/'catalog.duckdb'), data_root=str(tmp_path/'data'),
+                                 datasets=[dict(name='prompts', format='alpaca', kind='prompt_only',
+                                                path=str(ROOT/'tests'/'fixtures'/'datasets'/'alpaca_en_demo.sample.json'))],
+                                 phases=dict(target_check=dict(max_tokens=8, timeout=3), generate=dict(max_new_tokens=8)))))
+    r = eagle3nb('run', p, '--run-id', run_id, '--phases', 'target_check,prepare,render,catalog,generate', timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rd = ROOT/'papermill_runs'/run_id
+    state = json.loads((rd/'run.json').read_text())['phases']
+    assert {s: st['status'] for s, st in state.items()} == {s: 'completed' for s in ('00_target_check', '10_prepare', '15_render', '20_catalog', '30_generate')}
+    assert 'no token amplification to plot' in code_outputs(rd/'15_render.ipynb')
+    assert any((tmp_path/'data'/'generated').rglob('*')), 'generate wrote nothing'
