@@ -65,7 +65,7 @@ docs: venv
 
 # pytest comes last so that its closing line is the last summary CI sees.
 test: venv engine check-export nbtest docs
-	$(BIN)/pytest tests/
+	EAGLE3NB_REQUIRE_ENGINE=1 $(BIN)/pytest tests/
 
 clean:
 	rm -rf _proc _docs build *.egg-info

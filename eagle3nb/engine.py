@@ -111,6 +111,16 @@ def _group_pids(pgid:int)->list:
         if int(f[2]) == pgid: out.append(int(d.name))
     return out
 
+# %% ../nbs/05_engine.ipynb #387ee70d
+def _reap_group(pgid:int, grace:float=20):
+    "Wait until process group `pgid` is empty; SIGKILL what is left after `grace` s"
+    t0 = time.monotonic()
+    while (left := _group_pids(pgid)):
+        if time.monotonic() - t0 > grace:
+            try: os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError: pass
+        time.sleep(0.2)
+
 # %% ../nbs/05_engine.ipynb #f3f8293e
 class VllmServer(LocalServer):
     "A vLLM OpenAI server for one model (optionally with a draft) on loopback; a context manager"
@@ -184,7 +194,8 @@ def stop(self:VllmServer)->int:
     if self.proc is None: return None
     pids = _group_pids(self.proc.pid) if self.proc.poll() is None else [self.proc.pid]
     if self.proc.poll() is None: _terminate(self.proc, self.grace, _sigs=(signal.SIGINT, signal.SIGTERM, signal.SIGKILL))
-    self._finalizer()  # nothing left to kill; detaches the atexit hook
+    self._finalizer()  # detaches the atexit hook
+    _reap_group(self.proc.pid, self.grace)  # the engine core and worker outlive the API process by a moment
     for pid in pids:
         for f in Path('/dev/shm').glob(f'__KMP_REGISTERED_LIB_{pid}*'): f.unlink(missing_ok=True)
     for f in self.tmp.iterdir() if self.tmp.exists() else ():
