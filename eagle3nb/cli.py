@@ -88,7 +88,8 @@ def _launch(a):
 def _doctor(a):
     "eagle3nb doctor DIR --target TARGET_DIR [--server-args FILE | --server URL]: exit 1 on any known silent failure"
     from eagle3nb.doctor import doctor_cli
-    sys.exit(doctor_cli(a.draft, a.target, server_args=a.server_args, server=a.server, trust_remote_code=a.trust_remote_code))
+    sys.exit(doctor_cli(a.draft, a.target, server_args=a.server_args, server=a.server, trust_remote_code=a.trust_remote_code,
+                        engine=False if a.no_engine else None))
 
 def _serve_bench(a):
     "eagle3nb serve-bench --baseline URL --speculative URL --model NAME: output tok/s, TTFT, accept length, break-even"
@@ -177,6 +178,7 @@ def parser()->argparse.ArgumentParser:
     g.add_argument('--server-args', help='the launch command (or a script holding it), or SGLang server args as JSON')
     g.add_argument('--server', help="a running SGLang server's base URL (its /get_server_info is read)")
     dr.add_argument('--trust-remote-code', action='store_true', help="run the target's own config/tokenizer code (Kimi needs it)")
+    dr.add_argument('--no-engine', action='store_true', help='skip the engine row (by default it serves the draft in vLLM when one is installed)')
     sb = sub.add_parser('serve-bench', help='benchmark a speculative endpoint against its baseline'); sb.set_defaults(fn=_serve_bench)
     sb.add_argument('--baseline', required=True, help='base URL of the server without the draft (.../v1)')
     sb.add_argument('--speculative', required=True, help='base URL of the server with the draft (.../v1)')

@@ -55,14 +55,14 @@ def test_good_export_passes(good, kimi_tiny, tmp_path, capsys):
     for cmd in (sglang_cmd(kimi_tiny, good), vllm_cmd(kimi_tiny, good), *launch_commands(good, kimi_tiny, tp=8).values()):
         f = tmp_path/'launch.sh'; f.write_text(f'#!/bin/bash\nset -e\n{cmd}\n')
         df = doctor(good, kimi_tiny, server_args=f)
-        assert list(df.check) == list(CHECKS) and list(df.status) == ['ok'] * len(CHECKS), df.to_dict('records')
-        assert doctor_cli(good, kimi_tiny, server_args=str(f)) == 0
-    assert capsys.readouterr().out.strip().endswith('doctor: all checks passed (0 n/a)')
-    assert doctor_cli(good, kimi_tiny) == 0
+        assert list(df.check) == list(CHECKS) and list(df.status) == ['ok'] * (len(CHECKS) - 1) + ['n/a'], df.to_dict('records')  # engine: not asked
+        assert doctor_cli(good, kimi_tiny, server_args=str(f), engine=False) == 0
+    assert capsys.readouterr().out.strip().endswith('doctor: all checks passed (1 n/a)')
+    assert doctor_cli(good, kimi_tiny, engine=False) == 0
     out = capsys.readouterr().out
-    assert out.strip().endswith('doctor: all checks passed (1 n/a)') and 'give --server-args FILE or --server URL' in out
+    assert out.strip().endswith('doctor: all checks passed (2 n/a)') and 'give --server-args FILE or --server URL' in out
     with FakeServer(sglang_info(kimi_tiny, good)) as s:
-        assert doctor_cli(good, kimi_tiny, server=s.url + '/v1') == 0
+        assert doctor_cli(good, kimi_tiny, server=s.url + "/v1", engine=False) == 0
 
 
 def test_server_args_forms(good, kimi_tiny):
@@ -136,7 +136,7 @@ def test_plant_is_caught(name, good, kimi_tiny, tmp_path, capsys):
         srv = FakeServer(info(kimi_tiny, d) if info else None); srv.__enter__(); kw = dict(server=srv.url)
     try:
         df = doctor(d, kimi_tiny, **kw).set_index('check')
-        assert doctor_cli(d, kimi_tiny, **kw) == 1
+        assert doctor_cli(d, kimi_tiny, engine=False, **kw) == 1
     finally:
         if info != 'none': srv.__exit__()
     assert set(df.index[df.status == 'FAIL']) == {check} | also, df.to_dict('index')
@@ -155,7 +155,7 @@ def test_broken_export_never_raises(good, kimi_tiny, tmp_path):
     d = copy_of(good, tmp_path); (d/'config.json').write_text('{not json'); (d/'model.safetensors').unlink()
     df = doctor(d, kimi_tiny, server_args='no such file').set_index('check')
     assert (df.status == 'FAIL').sum() == 8 and 'cannot read' in df.detail['fc_width'] and 'neither a file' in df.detail['speculative_algorithm']
-    assert doctor_cli(d, kimi_tiny) == 1
+    assert doctor_cli(d, kimi_tiny, engine=False) == 1
 
 
 def test_no_training_record(good, kimi_tiny, tmp_path):
