@@ -128,6 +128,8 @@ HEADLINES = {  # phase key -> (json file in the run folder, its one-line result)
     'serve_bench': ('serve_bench', lambda j: f"nothing to bench: {j['skipped']}" if j.get('skipped') else
                     ('plumbing check, same server: ' if j['plumbing_check'] else '') + ', '.join(
                         f"C={x['concurrency']} {x['out_tok_s']:.0f} tok/s, speedup {x['speedup']:.2f}" for x in j['rows'] if x['endpoint'] == 'speculative')),
+    'verify': ('verify', lambda j: f"nothing to verify: {j['skipped']}" if j.get('skipped') else
+               f"vLLM served accept length {j['accept_length']:.2f} (offline {j['offline_accept_length']:.2f}), greedy {j['greedy_identical']}/{j['n_prompts']} identical"),
     'plan': ('plan', lambda j: j['path']),
 }
 

@@ -38,19 +38,20 @@ def read_prompts(path, target_dir, n:int=None)->list: # token-id lists
     return [_ids(r, tok) for r in recs]
 
 # %% ../nbs/72_verify.ipynb #61ff0c72
-def recipe_prompts(recipe, n:int=16, split:str='eval')->list: # token-id lists
-    "The first `n` prompts of a recipe's corpus split: each sample's ids before its first supervised token"
+def recipe_prompts(recipe, n:int=16, splits=('eval', 'train'))->list: # token-id lists
+    "`n` prompts from a recipe's corpus, eval split first: each sample's ids before its first supervised token"
     from eagle3nb.recipe import load_recipe
     from eagle3nb.merge import load_corpus
     r = load_recipe(recipe) if not hasattr(recipe, 'data_root') else recipe
     d = Path(r.data_root)/'corpus'
-    if not (d/split).exists(): raise FileNotFoundError(f"no corpus split {split!r} in {d}: run the merge phase first")
+    if not any((d/s).exists() for s in splits): raise FileNotFoundError(f"no corpus in {d}: run the merge phase first")
     out = []
-    for s in load_corpus(d, split):
-        first = next((i for i, m in enumerate(s['loss_mask']) if m), None)
-        if first: out.append(list(s['input_ids'][:first]))
-        if len(out) == n: break
-    if not out: raise ValueError(f"{d/split} has no sample with a supervised completion to prompt with")
+    for split in (s for s in splits if (d/s).exists()):
+        for s in load_corpus(d, split):
+            first = next((i for i, m in enumerate(s['loss_mask']) if m), None)
+            if first: out.append(list(s['input_ids'][:first]))
+            if len(out) == n: return out
+    if not out: raise ValueError(f"{d} has no sample with a supervised completion to prompt with")
     return out
 
 # %% ../nbs/72_verify.ipynb #86b8493a
