@@ -48,7 +48,7 @@ def _serve(a):
     "eagle3nb serve DIR --port P: serve a model directory in the foreground"
     from eagle3nb.server import serve
     from eagle3nb.recipe import model_dir
-    serve(model_dir(a.model_dir, 'model folder'), port=a.port, host=a.host)
+    serve(model_dir(a.model_dir, 'model_dir'), port=a.port, host=a.host)
 
 def _prepare(a):
     "eagle3nb prepare --format F --input PATH --name NAME --out DIR: one raw dataset into canonical conversations"
@@ -114,7 +114,7 @@ def _serve_bench(a):
     from eagle3nb.servebench import serve_bench_cli
     if a.draft:  # what to launch first: the target with this draft (and, for the baseline, the same without the speculative flags)
         from eagle3nb.export import launch_commands
-        for eng, cmd in launch_commands(_draft_dir(a.draft), a.target or a.model or 'TARGET', tp=a.tp).items(): print(f'# {eng}\n{cmd}\n')
+        for eng, cmd in launch_commands(a.draft, a.target or a.model or 'TARGET', tp=a.tp).items(): print(f'# {eng}\n{cmd}\n')
     serve_bench_cli(a.baseline, a.speculative, a.model, prompts=a.prompts, recipe=a.recipe, concurrency=a.concurrency,
                     max_tokens=a.max_tokens, n=a.n, out=a.out)
 

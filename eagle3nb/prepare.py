@@ -30,8 +30,9 @@ def _files(path:Path)->list:
     return fs
 
 class BadRecord:
-    "A raw record that does not parse: its file, line (None for a whole file) and why"
-    def __init__(self, file, line, reason:str, error:str=''): self.file, self.line, self.reason, self.error = str(file), line, reason, error
+    "A raw record that does not parse: its file, line (None for a whole file), why, and the start of its text"
+    def __init__(self, file, line, reason:str, error:str='', text:bytes=b''):
+        self.file, self.line, self.reason, self.error, self.text = str(file), line, reason, error, text[:300].decode('utf-8', 'replace')
     def where(self)->dict: return dict(file=self.file, line=self.line, error=self.error)
     def __repr__(self): return f"BadRecord({self.file}:{self.line}: {self.reason})"
 
@@ -44,7 +45,7 @@ def _jsonl(f:Path):
         for k, b in enumerate(fh, 1):
             if not b.strip(): continue
             try: yield json.loads(b)
-            except (ValueError, RecursionError) as e: yield BadRecord(f, k, 'line is not valid JSON', _jerr(e))
+            except (ValueError, RecursionError) as e: yield BadRecord(f, k, 'line is not valid JSON', _jerr(e), b)
 
 def _json(f:Path)->list:
     "Records of a `.json` file: a list of records, or one record (an object); `PrepareError` if it does not parse"
@@ -55,8 +56,8 @@ def _json(f:Path)->list:
 
 # %% ../nbs/13_prepare.ipynb #192168a5
 def _traj(f:Path):
-    try: return json.loads(f.read_bytes())
-    except (ValueError, RecursionError) as e: return BadRecord(f, None, 'file is not valid JSON', _jerr(e))
+    try: return json.loads(b := f.read_bytes())
+    except (ValueError, RecursionError) as e: return BadRecord(f, None, 'file is not valid JSON', _jerr(e), b)
 
 def _parquet(f:Path):
     try: pf = pq.ParquetFile(f)
@@ -177,7 +178,7 @@ def prepare(path,                   # raw dataset: file, folder, or hub id
         if len(first) < 20 and not isinstance(rec, BadRecord): first.append(rec)
         if c is not None: rows.append(to_record({**c, 'license': license or c['license']})); continue
         reasons[why] += 1
-        rejects.append(dict(index=i, reason=why, excerpt=json.dumps(rec, ensure_ascii=False, default=str)[:300],
+        rejects.append(dict(index=i, reason=why, excerpt=rec.text if isinstance(rec, BadRecord) else json.dumps(rec, ensure_ascii=False, default=str)[:300],
                             **(rec.where() if isinstance(rec, BadRecord) else {})))
     if not rows and not allow_empty: raise PrepareError(_nothing_kept(path, fmt, kind, len(rejects), reasons, first))
     return _publish(dst, rows, rejects, reasons, params, src, t0, shard_rows)

@@ -26,7 +26,7 @@ def one_name(name:str,        # the name, as the user gave it
             )->str:
     "`name` if it is one path component (not empty, no `/` or `\\`, not `.` or `..`); else `ValueError` naming `what`"
     if not isinstance(name, str) or not name.strip() or name in ('.', '..') or '/' in name or '\\' in name or name != name.strip():
-        raise ValueError(f"{what} {name!r}: must be one folder name (not empty, not '.' or '..', no '/'), e.g. my_dataset")
+        raise ValueError(f"{what} {name!r}: must be one folder name (not empty, not '.' or '..', no '/')")
     return name
 
 # %% ../nbs/00_recipe.ipynb #fb89200a
@@ -200,7 +200,8 @@ def claim_output(path,           # the folder the verb is about to write (or rep
     if not p.is_dir(): raise FileExistsError(f"{p} is a file, not a folder: {verb} writes a folder there and never replaces a file; give another path")
     if not any(p.iterdir()) or _marked(p) == verb: return p
     if callable(own) and own(p) or not callable(own) and any((p/f).exists() for f in own): return p
-    raise FileExistsError(f"{p} holds files that {verb} did not write (no {MARKER}); it is never replaced: give a new or empty folder")
+    mark = ' or '.join([MARKER, *([] if callable(own) else own)])
+    raise FileExistsError(f"{p} holds files that {verb} did not write (no {mark}); it is never replaced: give a new or empty folder")
 
 # %% ../nbs/00_recipe.ipynb #91d8b699
 def model_dir(path,                  # a model folder in the Hugging Face layout

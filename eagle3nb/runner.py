@@ -200,7 +200,7 @@ def run(recipe,            # recipe YAML path
     root = repo_root(root); r = load_recipe(recipe)
     if run_id is not None:
         try: one_name(run_id, '--run-id')
-        except ValueError as e: raise RecipeError(f"{e}: it names the folder papermill_runs/<run_id>/") from None
+        except ValueError as e: raise RecipeError(f"{e}; it names the folder papermill_runs/<run_id>/") from None
     nbs = phase_notebooks(root/'nbs'/'phases'); sel = select_phases(nbs, phases)
     for s in sel: check_phase_params(nbs[s], r.phases.get(phase_key(s), {}))
     if ps := check_recipe(r, root, datasets=any(phase_key(s) == 'prepare' for s in sel)): raise RecipeError(f"{recipe}: " + '; '.join(ps))

@@ -160,6 +160,7 @@ def render_problem(c:dict)->str|None: # the reject reason, None when `c` can be 
     for m in ms:
         r = m.get('role')
         if r not in ROLES: return f'unknown role {r!r}'
+        if not isinstance(m.get('content') or '', str): return f'{r} content is {type(m["content"]).__name__}, not text'
         if r in ('assistant', 'tool') and not user: return f'roles out of order: {r} turn before the first user turn'
         if r == 'user': user, open_ids = True, None
         if r == 'assistant' and m.get('tool_calls'):

@@ -345,7 +345,9 @@ def serve_bench_cli(baseline:str,          # base URL of the target alone (.../v
     elif r: ps = eval_prompts(r, n)
     else: raise ValueError('give --prompts FILE (.json / .jsonl) or --recipe RECIPE (its eval split)')
     if not ps: raise ValueError(f"no prompts in {prompts or recipe}: is the corpus merged (phase 40) or the file empty?")
-    model = model or list_models(baseline)[0]
+    try: model = model or list_models(baseline)[0]
+    except (OSError, ValueError, KeyError, IndexError) as e:
+        raise ValueError(f"--baseline {baseline}: no model list from it ({type(e).__name__}: {str(e)[:120]}); is the server up? or pass --model") from None
     df = serve_bench(baseline, speculative, model, ps[:n], cs, max_tokens, api_key=recipe_api_key(r) if r else None)
     print(df.drop(columns=['url', 'model', 'errors']).round(3).to_string(index=False))
     for e in (x for x in df.errors if x): print('errors:', *e, sep='\n  ')
