@@ -59,25 +59,27 @@ def _traj(f:Path):
     try: return json.loads(b := f.read_bytes())
     except (ValueError, RecursionError) as e: return BadRecord(f, None, 'file is not valid JSON', _jerr(e), b)
 
-def _parquet(f:Path):
-    try: pf = pq.ParquetFile(f)
+def _pqfile(f:Path):
+    try: return pq.ParquetFile(f)
     except Exception as e: raise PrepareError(f"{f}: not a readable parquet file ({type(e).__name__}: {_jerr(e)})") from None
-    for b in pf.iter_batches(batch_size=1024): yield from b.to_pylist()
+
+def _parquet(f:Path):
+    for b in _pqfile(f).iter_batches(batch_size=1024): yield from b.to_pylist()
 
 def _count(f:Path)->int:
     "Records in file `f` (what `count` samples from)"
     if f.suffix == '.jsonl':
         with open(f, 'rb') as fh: return sum(1 for b in fh if b.strip())
-    return 1 if f.suffix == '.traj' else pq.ParquetFile(f).metadata.num_rows if f.suffix == '.parquet' else len(_json(f))
+    return 1 if f.suffix == '.traj' else _pqfile(f).metadata.num_rows
 
 # %% ../nbs/13_prepare.ipynb #e34c9529
-def _local(fs:list):
-    "Records of the files `fs`, in order"
+def _local(fs:list, loaded:dict):
+    "Records of the files `fs`, in order (`loaded`: the `.json` files' records, already parsed)"
     for f in fs:
         if f.suffix == '.traj': yield _traj(f)
         elif f.suffix == '.parquet': yield from _parquet(f)
         elif f.suffix == '.jsonl': yield from _jsonl(f)
-        else: yield from _json(f)
+        else: yield from loaded[f]
 
 def _hub_like(path)->bool: return bool(re.fullmatch(r'[\w.-]+/[\w.-]+', str(path))) and not str(path).startswith('.') and Path(path).suffix not in (*_BUILDERS, '.traj')
 
@@ -98,7 +100,8 @@ def read_records(path,              # local file or folder, or a hub dataset id
     fs = _files(p)
     kinds = {'traj' if f.suffix == '.traj' else _BUILDERS.get(f.suffix) for f in fs}
     if len(kinds) != 1 or None in kinds: raise PrepareError(f"{path}: mixes file types {sorted({f.suffix for f in fs})}; prepare one type per dataset")
-    return sum(map(_count, fs)), _local(fs)
+    loaded = {f: _json(f) for f in fs if f.suffix == '.json'}  # a .json file is parsed whole, once
+    return sum(len(loaded[f]) if f in loaded else _count(f) for f in fs), _local(fs, loaded)
 
 # %% ../nbs/13_prepare.ipynb #fed38f66
 def choose(n:int|None, records, limit:int=None, count:int=None, seed:int=0):

@@ -128,6 +128,8 @@ def cases()->list:
         pq.write_table(pa.table(dict(foo=['a', 'b'], bar=[1, 2])), d/'x.parquet')
     add('prepare parquet with other columns', lambda d, S: ['prepare', '--format', 'sharegpt', '--input', d/'x.parquet', '--name', 'x', '--out', d/'p'],
         1, ['no record kept', 'keys are bar, foo'], pq_other)
+    add('prepare a .parquet that is not parquet', lambda d, S: ['prepare', '--format', 'sharegpt', '--input', d/'x.parquet', '--name', 'x', '--out', d/'p'],
+        1, ['x.parquet', 'not a readable parquet'], lambda d, S: (d/'x.parquet').write_text('a,b\n1,2\n'))
     add('prepare unknown format', lambda d, S: ['prepare', '--format', 'sharegtp', '--input', al, '--name', 'x', '--out', d/'p'], 1, ['sharegtp'])
     add('prepare --count -3', lambda d, S: ['prepare', '--format', 'alpaca', '--input', al, '--name', 'x', '--out', d/'p', '--count', '-3'], 2, ['--count'])
     add('prepare --limit 0', lambda d, S: ['prepare', '--format', 'alpaca', '--input', al, '--name', 'x', '--out', d/'p', '--limit', '0'], 2, ['--limit'])
