@@ -280,3 +280,13 @@ def test_bad_input(case, shared, tmp_path):
 def test_enough_bad_inputs_across_the_verbs():
     verbs = {c['name'].split()[0] for c in CASES}
     assert len(CASES) >= 40 and len(verbs) >= 12, (len(CASES), sorted(verbs))
+
+def test_own_output_is_replaced(shared, tmp_path):
+    "The refusals above never block a rerun: a verb replaces what it wrote itself"
+    ck_ = ck(tmp_path, shared); al = str(FIX/'alpaca_en_demo.sample.json')
+    jsonl(tmp_path/'c.jsonl', [conv(('user', 'hi', None), ('assistant', 'hello', None))])
+    for argv in (['export', ck_, '--out', tmp_path/'x', '--target', shared['toy']],
+                 ['prepare', '--format', 'alpaca', '--input', al, '--name', 'a', '--out', tmp_path/'p', '--force'],
+                 ['render', '--target', shared['toy'], '--input', tmp_path/'c.jsonl', '--out', tmp_path/'r']):
+        first, again = call(argv, tmp_path), call(argv, tmp_path)
+        assert (first['code'], again['code'], again['tb']) == (0, 0, None), (argv[0], again['err'][-1500:])
