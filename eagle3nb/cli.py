@@ -10,13 +10,6 @@ import argparse, json, os, sys
 from pathlib import Path
 
 # %% ../nbs/99_cli.ipynb #44132df3
-def _pos_int(s:str)->int:
-    "argparse type: an integer >= 1"
-    try: v = int(s)
-    except ValueError: raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
-    if v < 1: raise argparse.ArgumentTypeError(f"{v} is not a positive integer (>= 1)")
-    return v
-
 def _ints(s:str, flag:str)->list:
     "`'2,30,58'` -> `[2, 30, 58]`; `ValueError` naming `flag` otherwise"
     try: return [int(x) for x in s.split(',') if x.strip()]
@@ -26,6 +19,19 @@ def _draft_dir(d)->Path:
     "An exported draft folder (with its config.json), else `FileNotFoundError`"
     if not (Path(d)/'config.json').is_file(): raise FileNotFoundError(f"{d}: no exported draft here (no config.json); run `eagle3nb export CHECKPOINT --out {d}` first")
     return Path(d)
+
+_POSITIVE = ('limit', 'count', 'tp', 'num_steps', 'topk', 'draft_vocab', 'token_budget', 'n', 'max_tokens', 'port')  # counts and sizes
+
+def _check_args(a):
+    "Refuse what no verb can use, naming the option: a count below 1, a model, draft or target folder that is not one"
+    from eagle3nb.recipe import model_dir
+    for k in _POSITIVE:
+        if (v := getattr(a, k, None)) is not None and v < 1: raise ValueError(f"{'-n' if k == 'n' else '--' + k.replace('_', '-')} {v}: give a positive integer")
+    if a.verb == 'serve': model_dir(a.model_dir, 'model_dir')
+    if a.verb == 'launch': _draft_dir(a.draft)
+    if a.verb == 'doctor':
+        if not Path(a.draft).is_dir(): raise FileNotFoundError(f"{a.draft}: no such draft folder; give the folder `eagle3nb export` wrote")
+        model_dir(a.target)
 
 # %% ../nbs/99_cli.ipynb #c6808eab
 def _run(a):
@@ -47,8 +53,7 @@ def _toy_list(a):
 def _serve(a):
     "eagle3nb serve DIR --port P: serve a model directory in the foreground"
     from eagle3nb.server import serve
-    from eagle3nb.recipe import model_dir
-    serve(model_dir(a.model_dir, 'model_dir'), port=a.port, host=a.host)
+    serve(a.model_dir, port=a.port, host=a.host)
 
 def _prepare(a):
     "eagle3nb prepare --format F --input PATH --name NAME --out DIR: one raw dataset into canonical conversations"
@@ -99,14 +104,11 @@ def _export(a):
 def _launch(a):
     "eagle3nb launch DRAFT --target MODEL: the SGLang and vLLM commands that serve MODEL with this draft"
     from eagle3nb.export import launch_commands
-    for eng, cmd in launch_commands(_draft_dir(a.draft), a.target, tp=a.tp, num_steps=a.num_steps, topk=a.topk).items(): print(f'# {eng}\n{cmd}\n')
+    for eng, cmd in launch_commands(a.draft, a.target, tp=a.tp, num_steps=a.num_steps, topk=a.topk).items(): print(f'# {eng}\n{cmd}\n')
 
 def _doctor(a):
     "eagle3nb doctor DIR --target TARGET_DIR [--server-args FILE | --server URL]: exit 1 on any known silent failure"
     from eagle3nb.doctor import doctor_cli
-    from eagle3nb.recipe import model_dir
-    if not Path(a.draft).is_dir(): raise FileNotFoundError(f"{a.draft}: no such draft folder; give the folder `eagle3nb export` wrote")
-    model_dir(a.target)
     sys.exit(doctor_cli(a.draft, a.target, server_args=a.server_args, server=a.server, trust_remote_code=a.trust_remote_code))
 
 def _serve_bench(a):
@@ -148,13 +150,13 @@ def parser()->argparse.ArgumentParser:
     b.add_argument('--force', action='store_true', help='rebuild even when a complete build is there')
     t.add_parser('list', help='list toy targets').set_defaults(fn=_toy_list)
     s = sub.add_parser('serve', help='serve a model directory (OpenAI-compatible) in the foreground'); s.set_defaults(fn=_serve)
-    s.add_argument('model_dir'); s.add_argument('--port', type=_pos_int, default=8000); s.add_argument('--host', default='127.0.0.1')
+    s.add_argument('model_dir'); s.add_argument('--port', type=int, default=8000); s.add_argument('--host', default='127.0.0.1')
     pp = sub.add_parser('prepare', help='read one raw dataset into canonical conversations'); pp.set_defaults(fn=_prepare)
     pp.add_argument('--format', required=True, help='adapter: sharegpt, openai, alpaca, sweagent_traj, ...')
     pp.add_argument('--input', required=True, help='raw file, folder, or hub dataset id')
     pp.add_argument('--name', required=True, help='dataset name: the folder under --out')
     pp.add_argument('--out', required=True, help='parent folder, e.g. data/<recipe>/prepared')
-    pp.add_argument('--limit', type=_pos_int, help='first N records only'); pp.add_argument('--count', type=_pos_int, help='seeded sample of N records')
+    pp.add_argument('--limit', type=int, help='first N records only'); pp.add_argument('--count', type=int, help='seeded sample of N records')
     pp.add_argument('--seed', type=int, default=0); pp.add_argument('--kind', choices=['full', 'prompt_only', 'native'])
     pp.add_argument('--license', help="the dataset's license, recorded on every conversation")
     pp.add_argument('--force', action='store_true', help='rebuild even when the manifest matches')
@@ -169,13 +171,13 @@ def parser()->argparse.ArgumentParser:
     mg = sub.add_parser('merge', help="merge the recipe's samples into one deduplicated, shuffled corpus"); mg.set_defaults(fn=_merge)
     mg.add_argument('recipe'); mg.add_argument('--force', action='store_true', help='rebuild even when nothing changed')
     vc = sub.add_parser('vocab', help='choose the draft vocabulary (d2t, t2d) from the corpus'); vc.set_defaults(fn=_vocab)
-    vc.add_argument('recipe'); vc.add_argument('--draft-vocab', type=_pos_int, help='K (default: recipe phases.vocab.draft_vocab or 32000)')
+    vc.add_argument('recipe'); vc.add_argument('--draft-vocab', type=int, help='K (default: recipe phases.vocab.draft_vocab or 32000)')
     vc.add_argument('--force', action='store_true', help='recount even when nothing changed')
     ex = sub.add_parser('extract', help="store the target's aux hidden states for the corpus (safetensors shards)"); ex.set_defaults(fn=_extract)
     ex.add_argument('recipe'); ex.add_argument('--modes', default='bf16', help='comma-separated: bf16, compact')
     ex.add_argument('--splits', default='train,eval', help='corpus splits')
     ex.add_argument('--device-map', help='where the target goes: cuda:0, auto (one copy over all visible GPUs); default cuda:LOCAL_RANK, else cpu')
-    ex.add_argument('--token-budget', type=_pos_int, default=16384, help='tokens per forward (batch size x longest sample)')
+    ex.add_argument('--token-budget', type=int, default=16384, help='tokens per forward (batch size x longest sample)')
     xp = sub.add_parser('export', help='write an engine-ready EAGLE3 draft (config.json + bf16 model.safetensors)'); xp.set_defaults(fn=_export)
     xp.add_argument('checkpoint', help='a training checkpoint folder, e.g. checkpoints/step_1000')
     xp.add_argument('--out', required=True); xp.add_argument('--target', help="the target model directory (default: the checkpoint's run recipe's)")
@@ -183,7 +185,7 @@ def parser()->argparse.ArgumentParser:
     xp.add_argument('--data', help="the recipe's data root (data/<recipe>; default: the run recipe's): writes the training record doctor checks")
     la = sub.add_parser('launch', help='print the SGLang and vLLM commands that serve a target with an exported draft'); la.set_defaults(fn=_launch)
     la.add_argument('draft', help='exported draft folder'); la.add_argument('--target', required=True, help="the target's path or hub id")
-    la.add_argument('--tp', type=_pos_int, default=1); la.add_argument('--num-steps', type=_pos_int, default=3); la.add_argument('--topk', type=_pos_int, default=1)
+    la.add_argument('--tp', type=int, default=1); la.add_argument('--num-steps', type=int, default=3); la.add_argument('--topk', type=int, default=1)
     dr = sub.add_parser('doctor', help='check an exported draft, its target and the server launch for every known silent failure'); dr.set_defaults(fn=_doctor)
     dr.add_argument('draft', help='exported draft folder'); dr.add_argument('--target', required=True, help='the target model folder')
     g = dr.add_mutually_exclusive_group()
@@ -195,10 +197,10 @@ def parser()->argparse.ArgumentParser:
     sb.add_argument('--speculative', required=True, help='base URL of the server with the draft (.../v1)')
     sb.add_argument('--model', help='served model id (default: the first model the baseline lists)')
     sb.add_argument('--recipe', help="eval prompts from this recipe's eval split"); sb.add_argument('--prompts', help='or from a JSONL file of prompts')
-    sb.add_argument('--concurrency', default='1,8', help='comma-separated concurrencies'); sb.add_argument('--max-tokens', type=_pos_int, default=128)
-    sb.add_argument('-n', type=_pos_int, default=16, help='prompts per concurrency'); sb.add_argument('--out', help='write the results here (JSON) and break_even.png beside it')
+    sb.add_argument('--concurrency', default='1,8', help='comma-separated concurrencies'); sb.add_argument('--max-tokens', type=int, default=128)
+    sb.add_argument('-n', type=int, default=16, help='prompts per concurrency'); sb.add_argument('--out', help='write the results here (JSON) and break_even.png beside it')
     sb.add_argument('--draft', help='an exported draft: print the SGLang and vLLM launch commands for it first')
-    sb.add_argument('--target', help='the target path the launch commands load (default: --model)'); sb.add_argument('--tp', type=_pos_int, default=1)
+    sb.add_argument('--target', help='the target path the launch commands load (default: --model)'); sb.add_argument('--tp', type=int, default=1)
     pl = sub.add_parser('plan', help='write the next train_plan_vN.md for a recipe'); pl.set_defaults(fn=_plan)
     pl.add_argument('recipe'); pl.add_argument('--out', help='folder of the plans (default plans/<recipe name>/)')
     rc = sub.add_parser('recipe', help='recipe tools').add_subparsers(dest='recipe_verb', required=True, metavar='ACTION')
@@ -220,7 +222,7 @@ def _user_errors():
 def main(argv=None):
     "Entry point of the `eagle3nb` command"
     a = parser().parse_args(argv)
-    try: a.fn(a)
+    try: _check_args(a); a.fn(a)
     except _user_errors() as e:
         if os.environ.get('EAGLE3NB_DEBUG'): raise
         print(f'eagle3nb {a.verb}: error: {e}', file=sys.stderr); sys.exit(1)
