@@ -24,10 +24,11 @@ _POSITIVE = ('limit', 'count', 'tp', 'num_steps', 'topk', 'draft_vocab', 'token_
 
 def _check_args(a):
     "Refuse what no verb can use, naming the option: a count below 1, a model, draft or target folder that is not one"
+    import re
     from eagle3nb.recipe import model_dir
     for k in _POSITIVE:
         if (v := getattr(a, k, None)) is not None and v < 1: raise ValueError(f"{'-n' if k == 'n' else '--' + k.replace('_', '-')} {v}: give a positive integer")
-    if a.verb == 'serve': model_dir(a.model_dir, 'model_dir')
+    if a.verb == 'serve' and not re.fullmatch(r'[\w.-]+/[\w.-]+', a.model_dir): model_dir(a.model_dir, 'model_dir')  # a hub id is the server's to fetch
     if a.verb == 'launch': _draft_dir(a.draft)
     if a.verb == 'doctor':
         if not Path(a.draft).is_dir(): raise FileNotFoundError(f"{a.draft}: no such draft folder; give the folder `eagle3nb export` wrote")
