@@ -9,6 +9,31 @@ __all__ = ['parser', 'main']
 import argparse, json, os, sys
 from pathlib import Path
 
+# %% ../nbs/99_cli.ipynb #44132df3
+def _ints(s:str, flag:str)->list:
+    "`'2,30,58'` -> `[2, 30, 58]`; `ValueError` naming `flag` otherwise"
+    try: return [int(x) for x in s.split(',') if x.strip()]
+    except ValueError: raise ValueError(f"{flag} {s!r}: give comma-separated integers, e.g. 2,30,58") from None
+
+def _draft_dir(d)->Path:
+    "An exported draft folder (with its config.json), else `FileNotFoundError`"
+    if not (Path(d)/'config.json').is_file(): raise FileNotFoundError(f"{d}: no exported draft here (no config.json); run `eagle3nb export CHECKPOINT --out {d}` first")
+    return Path(d)
+
+_POSITIVE = ('limit', 'count', 'tp', 'num_steps', 'topk', 'draft_vocab', 'token_budget', 'n', 'max_tokens', 'port')  # counts and sizes
+
+def _check_args(a):
+    "Refuse what no verb can use, naming the option: a count below 1, a model, draft or target folder that is not one"
+    import re
+    from eagle3nb.recipe import model_dir
+    for k in _POSITIVE:
+        if (v := getattr(a, k, None)) is not None and v < 1: raise ValueError(f"{'-n' if k == 'n' else '--' + k.replace('_', '-')} {v}: give a positive integer")
+    if a.verb == 'serve' and not re.fullmatch(r'[\w.-]+/[\w.-]+', a.model_dir): model_dir(a.model_dir, 'model_dir')  # a hub id is the server's to fetch
+    if a.verb == 'launch': _draft_dir(a.draft)
+    if a.verb == 'doctor':
+        if not Path(a.draft).is_dir(): raise FileNotFoundError(f"{a.draft}: no such draft folder; give the folder `eagle3nb export` wrote")
+        model_dir(a.target)
+
 # %% ../nbs/99_cli.ipynb #c6808eab
 def _run(a):
     "eagle3nb run RECIPE: execute the recipe's phase notebooks"
@@ -74,7 +99,8 @@ def _export(a):
     run = run_defaults(a.checkpoint) if not (a.target and a.data) else {}
     target, data = a.target or run.get('target'), a.data or run.get('data_root')
     if not target: raise ValueError(f"{a.checkpoint} is not inside a run folder (papermill_runs/<run_id>/checkpoints/step_N next to recipe.yaml): pass --target TARGET_DIR")
-    cfg = export_draft(a.checkpoint, a.out, target, aux_layers=[int(x) for x in a.aux_layers.split(',')] if a.aux_layers else None,
+    from eagle3nb.recipe import model_dir
+    cfg = export_draft(a.checkpoint, a.out, model_dir(target), aux_layers=_ints(a.aux_layers, '--aux-layers') if a.aux_layers else None,
                        data_root=data)
     problems = check_export(a.out)
     print(json.dumps(dict(out=a.out, architectures=cfg['architectures'], problems=problems), indent=1))
@@ -114,8 +140,11 @@ def _plan(a):
 def _recipe_check(a):
     "eagle3nb recipe check RECIPE: validate a recipe and print it resolved"
     import yaml
-    from eagle3nb.recipe import load_recipe, recipe_dict
-    print(yaml.safe_dump(recipe_dict(load_recipe(a.recipe)), sort_keys=False), end='')
+    from eagle3nb.recipe import load_recipe, recipe_dict, RecipeError
+    from eagle3nb.runner import check_recipe
+    r = load_recipe(a.recipe)
+    if ps := check_recipe(r): raise RecipeError(f"{a.recipe}: " + '; '.join(ps))
+    print(yaml.safe_dump(recipe_dict(r), sort_keys=False), end='')
 
 # %% ../nbs/99_cli.ipynb #d620a11f
 def parser()->argparse.ArgumentParser:
@@ -217,7 +246,7 @@ def _user_errors():
 def main(argv=None):
     "Entry point of the `eagle3nb` command"
     a = parser().parse_args(argv)
-    try: a.fn(a)
+    try: _check_args(a); a.fn(a)
     except _user_errors() as e:
         if os.environ.get('EAGLE3NB_DEBUG'): raise
         print(f'eagle3nb {a.verb}: error: {e}', file=sys.stderr); sys.exit(1)

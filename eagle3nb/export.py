@@ -100,6 +100,19 @@ def _aux_for(aux_layers, rec, n_layers)->list:
                           "fc learned to read those; drop --aux-layers or re-extract and retrain")
     return [int(k) for k in aux_layers] if aux_layers is not None else (known or default_aux_layers(n_layers))
 
+# %% ../nbs/70_export.ipynb #fb0c8934
+from .recipe import claim_output, mark_output
+
+def _is_export(d:Path)->bool:
+    "An export written before the output marker existed"
+    names = {p.name for p in d.iterdir()}
+    try: arch = json.loads((d/'config.json').read_text()).get('architectures') or []
+    except (OSError, ValueError, AttributeError): return False
+    return names <= {'config.json', 'model.safetensors', 'eagle3nb.json'} and any('Eagle3' in a for a in arch)
+
+def _check_aux_range(aux, n_layers:int):
+    if max(aux) >= n_layers: raise ExportError(f"aux layer {max(aux)} is beyond the target's {n_layers} layers: input-of-layer ids go from 1 to {n_layers - 1}")
+
 # %% ../nbs/70_export.ipynb #d03fe03b
 def export_draft(checkpoint_dir,   # a `checkpoints/step_N` folder
                  out_dir,          # the draft folder to write
@@ -108,20 +121,22 @@ def export_draft(checkpoint_dir,   # a `checkpoints/step_N` folder
                  data_root=None,   # the recipe's data root: writes the training record `eagle3nb.json` that `doctor` reads
                 )->dict:
     "Write `config.json` and bf16 `model.safetensors` for the engines (and `eagle3nb.json`); return the config"
+    out = claim_output(out_dir, 'export', own=_is_export)
     sd, dc = read_checkpoint(checkpoint_dir)
     t = _target_text_cfg(target_dir)
     if dc['vocab_size'] != t.vocab_size: raise ExportError(f"draft vocab_size {dc['vocab_size']} != target's {t.vocab_size}")
     rec = training_record(data_root, checkpoint_dir, target_dir) if data_root else None
-    aux = _aux_for(aux_layers, rec, t.num_hidden_layers)
+    aux = _aux_for(aux_layers, rec, t.num_hidden_layers); _check_aux_range(aux, t.num_hidden_layers)
     cfg = export_config(dc, aux)
     ts = export_tensors(sd, t.hidden_size)
-    out = Path(out_dir); tmp = out.with_name(f'.{out.name}.tmp')
-    shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
+    tmp, old = out.with_name(f'.{out.name}.tmp'), out.with_name(f'.{out.name}.old')
+    shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True); mark_output(tmp, 'export')
     save_file(ts, str(tmp/'model.safetensors'), metadata={'format': 'pt'})
     (tmp/'config.json').write_text(json.dumps(cfg, indent=2) + '\n')
     if rec: (tmp/'eagle3nb.json').write_text(json.dumps({**rec, 'aux_layers': aux}, indent=1) + '\n')
-    if out.exists(): shutil.rmtree(out)
-    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists(): out.rename(old)  # the old export stays whole until the new one is in place
+    os.replace(tmp, out); shutil.rmtree(old, ignore_errors=True)
     return cfg
 
 # %% ../nbs/70_export.ipynb #471b8865

@@ -169,6 +169,9 @@ def merge_corpus(sources,              # merge inputs, oldest first: Datasets, o
                   train=len(tr), eval=len(ev), rows=len(m))
     return ds.select(tr).select_columns(cols), ds.select(ev).select_columns(cols), report, fates
 
+# %% ../nbs/40_merge.ipynb #db2ee186
+from .recipe import claim_output  # the corpus folder is replaced only when it holds a corpus
+
 # %% ../nbs/40_merge.ipynb #03790e8e
 def _swap(tmp:Path, dst:Path):
     "Rename the finished `tmp` to `dst`, replacing what was there"
@@ -178,7 +181,7 @@ def _swap(tmp:Path, dst:Path):
 
 def save_corpus(out_dir, train, eval, manifest:dict)->Path: # out_dir
     "Write the splits and `corpus.json` to `out_dir` atomically"
-    out = Path(out_dir); tmp = out.with_name(f'.{out.name}.tmp'); shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
+    out = claim_output(out_dir, 'merge', own=('corpus.json',)); tmp = out.with_name(f'.{out.name}.tmp'); shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
     for name, d in dict(train=train, eval=eval).items():
         d.save_to_disk(str(tmp/name), num_shards=None if len(d) else 1)  # datasets cannot load zero shards back
     (tmp/'corpus.json').write_text(json.dumps(manifest, indent=1, default=str))

@@ -158,12 +158,17 @@ def check_event(tok, messages:list, # canonical messages
     completion, _ = completion_text(fam, ms[i], prompt, full)
     return _ids(tok, prompt) + _ids(tok, completion), _ids(tok, template_turn(fam, full(), ms[i]))
 
+# %% ../nbs/20_render.ipynb #2ae86145
+from .schema import render_problem  # why a conversation cannot be rendered (roles, tool results, arguments)
+from .recipe import claim_output, mark_output, model_dir  # outputs a verb may replace; model folders
+
 # %% ../nbs/20_render.ipynb #d74672f3
 def _reason(e:Exception)->str: return (str(e) or type(e).__name__).splitlines()[0][:120]
 
 def conversation_events(c:dict, tok, # conversation; the target's tokenizer
                         thinking:bool=True)->list: # one dict per event: event, prompt, completion, think, tools | reject
     "The generation events of conversation `c`, rendered as text"
+    if (why := c.get('unreadable') or render_problem(c)): return [dict(event=0, reject=why)]
     fam = template_family(tok.chat_template)
     ms, tools = template_messages(c['messages'], fam, thinking), c.get('tools') or None
     turns = [i for i, m in enumerate(ms) if m['role'] == 'assistant']
@@ -363,7 +368,7 @@ def render_dataset(prepared_dir, # a prepared dataset directory (`eagle3nb.prepa
                    trust_remote_code:bool=False)->dict: # the manifest
     "Render a prepared dataset into `out_dir`: Arrow samples (`save_to_disk`), rejects.jsonl, render.json"
     from eagle3nb.prepare import load_prepared
-    params, out = _render_params(prepared_dir, target_dir, thinking, merge, trust_remote_code), Path(out_dir)
+    params, out = _render_params(prepared_dir, target_dir, thinking, merge, trust_remote_code), claim_output(out_dir, 'render', own=('render.json',))
     if not force and (m := read_render_manifest(out)) and m.get('params') == params: return m
     t0, ds = time.time(), load_prepared(prepared_dir)
     tmp, work = out.with_name(f'.{out.name}.tmp'), out.with_name(f'.{out.name}.work')
@@ -385,10 +390,10 @@ def render_dataset(prepared_dir, # a prepared dataset directory (`eagle3nb.prepa
 def read_conversations_jsonl(path)->list:
     "Canonical conversations from a JSON Lines file; missing ids, dataset and kind are filled in"
     out, stem = [], Path(path).stem
-    with open(path) as f:
-        for i, line in enumerate(l for l in f if l.strip()):
-            c = json.loads(line)
-            if isinstance(c.get('messages'), str): c = from_record(c)
+    with open(path, 'rb') as f:
+        for i, (k, line) in enumerate((k, l) for k, l in enumerate(f, 1) if l.strip()):
+            try: c = json.loads(line); c = from_record(c) if isinstance(c.get('messages'), str) else c
+            except (ValueError, AttributeError, RecursionError): c = dict(messages=None, unreadable=f'line {k} is not a JSON conversation object')
             out.append({'sample_id': _sample_id(stem, i), 'dataset': stem, 'kind': 'full', 'tools': [], **c})
     return out
 
@@ -398,8 +403,10 @@ def render_jsonl(target_dir, # the target model directory
                  out_dir,     # receives samples.jsonl and rejects.jsonl
                  thinking:bool=True, merge:bool=True, trust_remote_code:bool=False)->dict: # counts, tokens, amplification
     "Render canonical conversations to `out_dir/samples.jsonl`: sample_id, input_ids, loss_mask, spans per line"
-    t0, tok, out = time.time(), load_tokenizer(target_dir, trust_remote_code), Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if not Path(input_jsonl).is_file(): raise FileNotFoundError(f"{input_jsonl}: no such conversations file (JSON lines)")
+    out = claim_output(out_dir, 'render', own=lambda d: {p.name for p in d.iterdir()} == {'samples.jsonl', 'rejects.jsonl'})
+    t0, tok = time.time(), load_tokenizer(model_dir(target_dir), trust_remote_code)
+    out.mkdir(parents=True, exist_ok=True); mark_output(out, 'render')
     rows = render_conversations(read_conversations_jsonl(input_jsonl), tok, thinking, merge)
     _write_jsonl(out/'samples.jsonl', ({k: r[k] for k in ('sample_id', 'input_ids', 'loss_mask', 'spans')} for r in rows if 'reject' not in r))
     _write_jsonl(out/'rejects.jsonl', (dict(sample_id=r['sample_id'], reason=r['reject']) for r in rows if 'reject' in r))

@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['RESERVED', 'HEADLINES', 'repo_root', 'phase_notebooks', 'phase_key', 'select_phases', 'check_phase_params',
-           'load_state', 'save_state', 'set_aside', 'PhaseFailed', 'execute_phase', 'headline', 'summary_table',
-           'markdown_table', 'run']
+           'check_recipe', 'load_state', 'save_state', 'set_aside', 'PhaseFailed', 'execute_phase', 'headline',
+           'summary_table', 'markdown_table', 'run']
 
 # %% ../nbs/98_runner.ipynb #c5a40c06
 import datetime, json, os, sys, time
@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 import nbformat
 from nbformat.v4 import new_notebook, new_code_cell, new_markdown_cell
 import eagle3nb
-from .recipe import Recipe, RecipeError, load_recipe, save_recipe, recipe_dict, fingerprint
+from .recipe import Recipe, RecipeError, load_recipe, save_recipe, recipe_dict, fingerprint, one_name, model_dir
 from .target import target_session
 
 # %% ../nbs/98_runner.ipynb #176be0a2
@@ -68,6 +68,38 @@ def _write_nb(path, params_src:str, body:list):
                              *[new_code_cell(b) for b in body]])
     nb.metadata['kernelspec'] = {'name': 'python3', 'display_name': 'Python 3', 'language': 'python'}
     Path(path).parent.mkdir(parents=True, exist_ok=True); nbformat.write(nb, str(path))
+
+# %% ../nbs/98_runner.ipynb #f94d76df
+def _data_root_problem(d:Path)->str|None:
+    if d.exists(): return None if d.is_dir() else f"data_root: {d} is a file; give a folder (it is made if missing)"
+    a = next(p for p in d.parents if p.exists())
+    if not a.is_dir() or not os.access(a, os.W_OK): return f"data_root: {d} cannot be made: {a} is {'a file' if not a.is_dir() else 'not writable'}"
+
+def _dataset_problems(r:Recipe)->list:
+    from eagle3nb.schema import ADAPTERS
+    from eagle3nb import adapters, agent_adapters  # registers every format
+    fmts = ', '.join(sorted(k for k in ADAPTERS if not k.startswith('_')))
+    return [p for i, d in enumerate(r.datasets) for p in (
+        None if d.format in ADAPTERS else f"datasets[{i}].format: unknown format {d.format!r}; formats: {fmts}",
+        None if Path(d.path).exists() else f"datasets[{i}].path: {d.path} does not exist; give a local file or folder") if p]
+
+# %% ../nbs/98_runner.ipynb #efaf2f22
+def check_recipe(r:Recipe,              # a resolved recipe (`load_recipe`)
+                 root=None,             # repository root (its nbs/phases)
+                 datasets:bool=True,    # check formats and dataset paths too
+                )->list:                # problems, one line each, naming the key; empty when all is well
+    "What can be checked in a recipe without running anything"
+    ps = _dataset_problems(r) if datasets else []
+    by = {phase_key(s): nb for s, nb in phase_notebooks(repo_root(root)/'nbs'/'phases').items()}
+    for k, params in r.phases.items():
+        if k not in by: ps.append(f"phases.{k}: not a phase; phases: {', '.join(by)}"); continue
+        try: check_phase_params(by[k], params)
+        except RecipeError as e: ps.append(str(e))
+    ps.append(_data_root_problem(Path(r.data_root)))
+    if not r.target.toy:
+        try: model_dir(r.target.model, 'target.model')
+        except FileNotFoundError as e: ps.append(str(e))
+    return [p for p in ps if p]
 
 # %% ../nbs/98_runner.ipynb #fee6f584
 def load_state(run_dir)->dict:
@@ -168,8 +200,12 @@ def run(recipe,            # recipe YAML path
        )->Path:            # the run directory
     "Run the recipe's phases in order; skip those completed with the same parameters"
     root = repo_root(root); r = load_recipe(recipe)
+    if run_id is not None:
+        try: one_name(run_id, '--run-id')
+        except ValueError as e: raise RecipeError(f"{e}; it names the folder papermill_runs/<run_id>/") from None
     nbs = phase_notebooks(root/'nbs'/'phases'); sel = select_phases(nbs, phases)
     for s in sel: check_phase_params(nbs[s], r.phases.get(phase_key(s), {}))
+    if ps := check_recipe(r, root, datasets=any(phase_key(s) == 'prepare' for s in sel)): raise RecipeError(f"{recipe}: " + '; '.join(ps))
     run_id = run_id or f"{r.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     run_dir = root/'papermill_runs'/run_id; run_dir.mkdir(parents=True, exist_ok=True)
     state = load_state(run_dir); state.update(run_id=run_id, recipe_source=str(Path(recipe).resolve()), catalog=r.catalog)

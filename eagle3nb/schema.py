@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'KINDS', 'ROLES', 'JSON_FIELDS', 'ADAPTERS', 'Reject', 'sample_id', 'message', 'parse_arguments',
            'tool_call', 'tool_spec', 'split_think', 'kimi_call_id', 'link_tool_calls', 'clean_messages',
-           'check_conversation', 'conversation', 'to_record', 'from_record', 'adapter']
+           'check_conversation', 'conversation', 'render_problem', 'to_record', 'from_record', 'adapter']
 
 # %% ../nbs/10_schema.ipynb #6e7dd762
 import hashlib, json, re
@@ -140,6 +140,36 @@ def conversation(dataset:str, source_index:int, messages:list, source_key=None, 
     if tools is not None and not isinstance(tools, list): raise Reject('tools is not a list of function specs')
     return dict(sample_id=sample_id(dataset, source_index if source_key is None else source_key), dataset=dataset,
                 source_index=source_index, kind=kind, tools=tools or [], messages=ms, license=license, meta=meta or {})
+
+# %% ../nbs/10_schema.ipynb #c8a5222a
+def _args_problem(calls)->str|None:
+    "Why a turn's tool calls are not well formed, None if they are"
+    if not isinstance(calls, list): return 'tool_calls is not a list'
+    for tc in calls:
+        f = tc.get('function') if isinstance(tc, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get('name'), str) or not f['name'].strip(): return 'tool call without a function name'
+        try: parse_arguments(f.get('arguments'))
+        except Reject as e: return str(e)
+
+# %% ../nbs/10_schema.ipynb #03738bbb
+def render_problem(c:dict)->str|None: # the reject reason, None when `c` can be rendered
+    "Why conversation `c` cannot be rendered: malformed messages, roles out of order, orphan tool results, non-object arguments"
+    ms = c.get('messages')
+    if not isinstance(ms, list) or not ms or not all(isinstance(m, dict) for m in ms): return 'messages is not a list of message objects'
+    user, open_ids = False, None  # seen a user turn; ids of the last tool calls not answered yet
+    for m in ms:
+        r = m.get('role')
+        if r not in ROLES: return f'unknown role {r!r}'
+        if not isinstance(m.get('content') or '', str): return f'{r} content is {type(m["content"]).__name__}, not text'
+        if r in ('assistant', 'tool') and not user: return f'roles out of order: {r} turn before the first user turn'
+        if r == 'user': user, open_ids = True, None
+        if r == 'assistant' and m.get('tool_calls'):
+            if (why := _args_problem(m['tool_calls'])): return why
+            open_ids = [tc.get('id') for tc in m['tool_calls']]
+        if r == 'tool':
+            tid = m.get('tool_call_id')
+            if not open_ids or (tid is not None and tid not in open_ids): return 'tool result without its tool call'
+            open_ids.remove(tid if tid is not None else open_ids[0])
 
 # %% ../nbs/10_schema.ipynb #eef7a491
 JSON_FIELDS = ('tools', 'messages', 'meta')

@@ -288,7 +288,15 @@ def load_prompts(path)->list: # lists of chat messages
     "Prompts from a `.json` list or a `.jsonl` file: each a string, a list of messages, or `{'messages': [...]}`"
     p = Path(path)
     if not p.exists(): raise FileNotFoundError(f'{p}: no such prompts file (a .json list or .jsonl lines of strings or message lists)')
-    items = json.loads(p.read_text()) if p.suffix == '.json' else [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
+    items, k = [], None  # k: the JSON line being read
+    try:
+        if p.suffix == '.json': items = json.loads(p.read_text())
+        else:
+            for k, l in enumerate(p.read_text().splitlines(), 1):
+                if l.strip(): items.append(json.loads(l))
+    except ValueError as e:
+        raise ValueError(f"{p} line {k or getattr(e, 'lineno', '?')} is not valid JSON ({str(e).splitlines()[0][:80]}): "
+                         "write each prompt as a JSON string or a list of messages") from None
     return [as_messages(x) for x in items]
 
 def bench_record(df:pd.DataFrame, **extra)->dict:
@@ -299,6 +307,23 @@ def bench_record(df:pd.DataFrame, **extra)->dict:
 def _write_json(path:Path, obj):
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f'.{path.name}.tmp'); tmp.write_text(json.dumps(obj, indent=1, default=str)); tmp.replace(path)
+
+# %% ../nbs/80_servebench.ipynb #fe316461
+def _check_out(out)->Path|None:
+    "`out` if the bench may write it: absent, or an earlier bench record"
+    if out is None: return None
+    p = Path(out)
+    try: ok = not p.exists() or isinstance(rec := json.loads(p.read_text()), dict) and 'rows' in rec
+    except (OSError, ValueError): ok = False
+    if not ok: raise FileExistsError(f"{p} exists and is not a serve-bench record; it is never replaced: give another --out")
+    return p
+
+def _check_answered(df:pd.DataFrame):
+    "`ValueError` when an endpoint answered no request: such a run is no benchmark and replaces nothing"
+    for ep, g in df.groupby('endpoint'):
+        if g.ok.sum() == 0:
+            err = next((e[0] for e in g.errors if e), 'no answer')
+            raise ValueError(f"no request succeeded on the {ep} endpoint {g.url.iloc[0]} ({err}); nothing written: is the server up?")
 
 # %% ../nbs/80_servebench.ipynb #e8f60b93
 def serve_bench_cli(baseline:str,          # base URL of the target alone (.../v1)
@@ -312,13 +337,17 @@ def serve_bench_cli(baseline:str,          # base URL of the target alone (.../v
                     out:str=None,          # write the JSON record here, and break_even.png next to it
                    )->pd.DataFrame:
     "`eagle3nb serve-bench`: bench baseline vs speculative, print the table and the break-even"
-    r = load_recipe(recipe) if recipe else None
+    r, out = load_recipe(recipe) if recipe else None, _check_out(out)
+    try: cs = [int(c) for c in str(concurrency).split(',') if c.strip()]
+    except ValueError: raise ValueError(f"--concurrency {concurrency!r}: give comma-separated integers, e.g. 1,8") from None
+    if not cs or min(cs) < 1: raise ValueError(f"--concurrency {concurrency!r}: give concurrencies >= 1, e.g. 1,8")
     if prompts: ps = load_prompts(prompts)
     elif r: ps = eval_prompts(r, n)
     else: raise ValueError('give --prompts FILE (.json / .jsonl) or --recipe RECIPE (its eval split)')
     if not ps: raise ValueError(f"no prompts in {prompts or recipe}: is the corpus merged (phase 40) or the file empty?")
-    model = model or list_models(baseline)[0]
-    cs = [int(c) for c in str(concurrency).split(',') if c.strip()]
+    try: model = model or list_models(baseline)[0]
+    except (OSError, ValueError, KeyError, IndexError) as e:
+        raise ValueError(f"--baseline {baseline}: no model list from it ({type(e).__name__}: {str(e)[:120]}); is the server up? or pass --model") from None
     df = serve_bench(baseline, speculative, model, ps[:n], cs, max_tokens, api_key=recipe_api_key(r) if r else None)
     print(df.drop(columns=['url', 'model', 'errors']).round(3).to_string(index=False))
     for e in (x for x in df.errors if x): print('errors:', *e, sep='\n  ')
@@ -327,8 +356,9 @@ def serve_bench_cli(baseline:str,          # base URL of the target alone (.../v
         print(f'C={b.concurrency}: a round costs {b.cost:.3f} decode steps; speedup {b.speedup:.3f} at accept length {b.accept_len:.2f}; '
               f'break-even at accept length {b.break_even_accept_len:.3f}')
     if not len(be): print('no accept length from the speculative server (neither SGLang get_server_info nor vLLM metrics): no break-even')
+    _check_answered(df)
     if out:
-        out = Path(out); _write_json(out, bench_record(df, baseline=baseline, speculative=speculative, model=model, prompts=len(ps[:n])))
+        _write_json(out, bench_record(df, baseline=baseline, speculative=speculative, model=model, prompts=len(ps[:n])))
         ax = plot_serve_bench(df); ax.figure.savefig(out.with_name('break_even.png'), dpi=100, bbox_inches='tight'); plt.close(ax.figure)
         print(f'wrote {out} and {out.with_name("break_even.png")}')
     return df

@@ -30,7 +30,7 @@ def test_demo_end_to_end(tmp_path, run_id):
     assert [s for s in phases if state[s]['status'] == 'completed'] == phases and all((rd/f'{s}.ipynb').exists() for s in phases)
     # the export, with its training record, at data/<recipe>/export/
     ex = tmp_path/'data'/'export'
-    assert sorted(q.name for q in ex.iterdir()) == ['config.json', 'eagle3nb.json', 'model.safetensors']
+    assert sorted(q.name for q in ex.iterdir()) == ['.eagle3nb-output.json', 'config.json', 'eagle3nb.json', 'model.safetensors']
     assert json.loads((ex/'config.json').read_text())['architectures'] == ['LlamaForCausalLMEagle3']
     # doctor passed it, against the launch commands the export phase wrote
     doc = json.loads((rd/'doctor.json').read_text())

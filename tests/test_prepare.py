@@ -29,7 +29,7 @@ def test_cli_writes_shards_manifest_rejects_and_is_idempotent(tmp_path):
 
 
 def test_rejects_are_written_with_reason_and_excerpt(tmp_path):
-    m = prepare(FIX/'specforge_tool_use_conversation.jsonl', 'openai', 'sf', tmp_path, progress=False)
+    m = prepare(FIX/'specforge_tool_use_conversation.jsonl', 'openai', 'sf', tmp_path, progress=False, allow_empty=True)
     assert (m['read'], m['kept'], m['rejected']) == (1, 0, 1)
     rej = [json.loads(l) for l in open(tmp_path/'sf'/'rejects.jsonl')]
     assert rej[0]['index'] == 0 and rej[0]['reason'] == 'tool call arguments are not valid JSON' and '"id": 9' in rej[0]['excerpt']

@@ -1,0 +1,292 @@
+"""Bad input at every verb: each exits with its code and one line naming what is wrong, no traceback, and every file
+that was there before keeps its checksum. `bench/bad_inputs.py` runs the same cases and counts the outcomes per kind."""
+import contextlib, hashlib, io, json, os, shutil, sys, traceback
+from pathlib import Path
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIX = ROOT/'tests'/'fixtures'/'datasets'
+
+def sums(*dirs)->dict:
+    "sha256 of every file under `dirs`"
+    out = {}
+    for d in dirs:
+        for p in sorted(Path(d).rglob('*')):
+            if p.is_file(): out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+def call(argv:list, cwd)->dict:
+    "Run `eagle3nb argv` in-process in `cwd`: exit code, stdout, stderr, traceback (text, when an exception escaped)"
+    from eagle3nb.cli import main
+    out, err, tb, code = io.StringIO(), io.StringIO(), None, 0
+    old = os.getcwd(); os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err): main([str(a) for a in argv])
+    except SystemExit as e: code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException: tb, code = traceback.format_exc(), 1
+    finally: os.chdir(old)
+    return dict(code=code, out=out.getvalue(), err=err.getvalue(), tb=tb)
+
+def error_lines(res)->list: return [l for l in res['err'].splitlines() if 'error:' in l or l.startswith('eagle3nb')]
+
+def classify(case:dict, res:dict, before:dict, after:dict)->str:
+    "clear / vague / traceback / silent / data lost"
+    lost = [f for f, h in before.items() if after.get(f) != h]
+    if lost: return 'data lost'
+    if res['tb'] or 'Traceback (most recent call last)' in res['err'] + res['out']: return 'traceback'
+    if res['code'] != case['code']: return 'silent' if res['code'] == 0 else 'vague'
+    text = res['err'] if case['code'] else res['out'] + res['err']
+    ok = all(w.lower() in text.lower() for w in case['words'])
+    if case['code']: ok = ok and len(error_lines(res)) == 1
+    if ok and case.get('check'): ok = case['check'](case['dir'])
+    return 'clear' if ok else 'vague'
+
+# ---- shared inputs: a toy target, a training checkpoint, a data root, a good recipe ----------------------------
+
+def build_shared(base:Path, toy=None)->dict:
+    "The toy target, a checkpoint next to a run recipe, and a data root full of files that must survive"
+    import torch
+    from transformers import AutoConfig
+    from eagle3nb.toy import ensure_toy
+    from eagle3nb.draft import new_draft
+    from eagle3nb.train import save_checkpoint, TrainConfig
+    toy = Path(toy or ensure_toy('kimi-tiny', out=base/'toy'/'kimi-tiny'))
+    tc = AutoConfig.from_pretrained(str(toy)); tt = tc.get_text_config()
+    V, H, Vd = tt.vocab_size, tt.hidden_size, 16
+    tids = torch.arange(Vd) * 5 + 2; t2d = torch.zeros(V, dtype=torch.bool); t2d[tids] = True
+    dr = new_draft(tc, torch.zeros(V, H), tids - torch.arange(Vd), t2d, seed=1)
+    opt = torch.optim.AdamW(dr.parameters()); sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ckpt = save_checkpoint(base/'run', 3, dr, opt, sch, TrainConfig())
+    return dict(toy=toy, ckpt=ckpt, n_layers=tt.num_hidden_layers)
+
+def data_root(d:Path)->Path:
+    "A data root with a file in each phase's folder (what a cluster run took GPU-days to make)"
+    for sub in ('prepared/a', 'rendered/a', 'corpus/train', 'hidden/bf16/train', 'vocab'):
+        (d/sub).mkdir(parents=True, exist_ok=True); (d/sub/'data.bin').write_bytes(os.urandom(64))
+    (d/'prepared'/'a'/'manifest.json').write_text('{}')
+    return d
+
+def recipe(d:Path, toy, **kw)->Path:
+    "A recipe file in `d` on the toy target; `kw` replaces top-level keys"
+    import yaml
+    r = dict(name='bad', target=dict(model=str(toy)), data_root=str(d/'data'), catalog=str(d/'catalog.duckdb'),
+             datasets=[dict(name='alpaca', format='alpaca', path=str(FIX/'alpaca_en_demo.sample.json'))])
+    r.update(kw)
+    p = d/'recipe.yaml'; p.write_text(yaml.safe_dump(r, sort_keys=False)); return p
+
+def conv(*roles_calls)->dict:
+    "A canonical conversation from `(role, content, extra)` tuples"
+    ms = [dict(role=r, content=c, **(x or {})) for r, c, x in roles_calls]
+    return dict(messages=ms)
+
+def jsonl(p:Path, rows)->Path:
+    p.write_text(''.join((r if isinstance(r, str) else json.dumps(r)) + '\n' for r in rows)); return p
+
+GOOD = [dict(instruction=f'Say {i}', input='', output=f'{i}') for i in range(3)]
+TRAJ = json.loads((FIX/'sweagent_function_calling_simple.traj').read_text())
+
+def _setup_prepare_name(d, S): (d/'out').mkdir(); (d/'out'/'keep.txt').write_text('user data')
+def _noop(d, S): pass
+
+def ck(d:Path, S:dict)->Path:
+    "This case's own copy of the shared checkpoint (a verb that destroys it destroys only the copy)"
+    c = d/'run'/'checkpoints'/S['ckpt'].name
+    if not c.exists(): shutil.copytree(S['ckpt'], c)
+    return c
+
+def cases()->list:
+    "Every bad input: name, setup(dir, shared), argv(dir, shared), expected exit code, words the message must hold"
+    al = str(FIX/'alpaca_en_demo.sample.json')
+    C = []
+    def add(name, argv, code=1, words=(), setup=_noop, check=None): C.append(dict(name=name, argv=argv, code=code, words=list(words), setup=setup, check=check))
+    # -- prepare: names that become paths
+    for nm in ['', '.', '..', '../corpus', 'a/b']:
+        add(f'prepare --name {nm!r}', lambda d, S, nm=nm: ['prepare', '--format', 'alpaca', '--input', al, '--name', nm, '--out', d/'out'],
+            1, ['dataset name', repr(nm)], _setup_prepare_name)
+    add('prepare into a folder that is not a prepared dataset', lambda d, S: ['prepare', '--format', 'alpaca', '--input', al, '--name', 'mine', '--out', d],
+        1, ['mine', 'not'], lambda d, S: ((d/'mine').mkdir(), (d/'mine'/'notes.txt').write_text('mine')))
+    # -- prepare: bad records
+    def trunc(d, S): jsonl(d/'x.jsonl', [*GOOD[:2], '{"instruction": "Say', GOOD[2]])
+    add('prepare jsonl with a truncated line', lambda d, S: ['prepare', '--format', 'alpaca', '--input', d/'x.jsonl', '--name', 'x', '--out', d/'p'],
+        0, ['kept 3', 'rejected 1'], trunc, check=lambda d: '"line": 3' in (d/'p'/'x'/'rejects.jsonl').read_text())
+    add('prepare garbage bytes', lambda d, S: ['prepare', '--format', 'alpaca', '--input', d/'x.jsonl', '--name', 'x', '--out', d/'p'],
+        1, ['x.jsonl', 'no record'], lambda d, S: (d/'x.jsonl').write_bytes(b'\x89PNG\r\n\x1a\n\x00\xff\xfe garbage\n\x00\x01'))
+    add('prepare empty file', lambda d, S: ['prepare', '--format', 'alpaca', '--input', d/'x.jsonl', '--name', 'x', '--out', d/'p'],
+        1, ['x.jsonl', 'no record'], lambda d, S: (d/'x.jsonl').write_text(''))
+    add('prepare truncated .json array', lambda d, S: ['prepare', '--format', 'alpaca', '--input', d/'x.json', '--name', 'x', '--out', d/'p'],
+        1, ['x.json', 'not valid json'], lambda d, S: (d/'x.json').write_text(json.dumps(GOOD)[:-20]))
+    def trajs(d, S):
+        (d/'t').mkdir(); (d/'t'/'a.traj').write_text(json.dumps(TRAJ)); (d/'t'/'b.traj').write_text(json.dumps(TRAJ)[:-40])
+    add('prepare folder with one truncated .traj', lambda d, S: ['prepare', '--format', 'sweagent_traj', '--input', d/'t', '--name', 'x', '--out', d/'p'],
+        0, ['kept 1', 'rejected 1'], trajs, check=lambda d: 'b.traj' in (d/'p'/'x'/'rejects.jsonl').read_text())
+    add('prepare missing --input', lambda d, S: ['prepare', '--format', 'alpaca', '--input', d/'nope.jsonl', '--name', 'x', '--out', d/'p'],
+        1, ['nope.jsonl', 'no such'])
+    add('prepare wrong --format', lambda d, S: ['prepare', '--format', 'sharegpt', '--input', al, '--name', 'x', '--out', d/'p'],
+        1, ['no record kept', 'look like alpaca'])
+    def pq_other(d, S):
+        import pyarrow as pa, pyarrow.parquet as pq
+        pq.write_table(pa.table(dict(foo=['a', 'b'], bar=[1, 2])), d/'x.parquet')
+    add('prepare parquet with other columns', lambda d, S: ['prepare', '--format', 'sharegpt', '--input', d/'x.parquet', '--name', 'x', '--out', d/'p'],
+        1, ['no record kept', 'keys are bar, foo'], pq_other)
+    add('prepare a .parquet that is not parquet', lambda d, S: ['prepare', '--format', 'sharegpt', '--input', d/'x.parquet', '--name', 'x', '--out', d/'p'],
+        1, ['x.parquet', 'not a readable parquet'], lambda d, S: (d/'x.parquet').write_text('a,b\n1,2\n'))
+    add('prepare unknown format', lambda d, S: ['prepare', '--format', 'sharegtp', '--input', al, '--name', 'x', '--out', d/'p'], 1, ['sharegtp'])
+    add('prepare --count -3', lambda d, S: ['prepare', '--format', 'alpaca', '--input', al, '--name', 'x', '--out', d/'p', '--count', '-3'], 1, ['--count'])
+    add('prepare --limit 0', lambda d, S: ['prepare', '--format', 'alpaca', '--input', al, '--name', 'x', '--out', d/'p', '--limit', '0'], 1, ['--limit'])
+    # -- render
+    def rin(d, S, rows): jsonl(d/'c.jsonl', rows)
+    ok_conv = conv(('user', 'hi', None), ('assistant', 'hello', None))
+    call_ = lambda a: dict(tool_calls=[dict(id='c1', type='function', function=dict(name='f', arguments=a))])
+    bad_convs = {
+        'roles out of order': conv(('assistant', 'hello', None), ('user', 'hi', None), ('assistant', 'x', None)),
+        'orphan tool result': conv(('user', 'hi', None), ('tool', 'result', dict(tool_call_id='zz', name='f')), ('assistant', 'x', None)),
+        'non-JSON tool-call arguments': conv(('user', 'hi', None), ('assistant', '', call_('{"a": 1')), ('tool', 'r', dict(tool_call_id='c1')), ('assistant', 'x', None)),
+        'tool-call arguments a JSON list': conv(('user', 'hi', None), ('assistant', '', call_('[1, 2]')), ('tool', 'r', dict(tool_call_id='c1')), ('assistant', 'x', None)),
+    }
+    why = {'roles out of order': 'role', 'orphan tool result': 'tool result', 'non-JSON tool-call arguments': 'argument', 'tool-call arguments a JSON list': 'argument'}
+    for k, c in bad_convs.items():
+        add(f'render {k}', lambda d, S: ['render', '--target', S['toy'], '--input', d/'c.jsonl', '--out', d/'r'], 0, ['"rejected": 1'],
+            lambda d, S, c=c: rin(d, S, [ok_conv, c]), check=lambda d, w=why[k]: w in (d/'r'/'rejects.jsonl').read_text())
+    add('render input line not JSON', lambda d, S: ['render', '--target', S['toy'], '--input', d/'c.jsonl', '--out', d/'r'], 0, ['"rejected": 1'],
+        lambda d, S: rin(d, S, [ok_conv, '{"messages": [']), check=lambda d: 'line 2' in (d/'r'/'rejects.jsonl').read_text())
+    add('render missing target folder', lambda d, S: ['render', '--target', d/'no-target', '--input', d/'c.jsonl', '--out', d/'r'], 1, ['no-target'],
+        lambda d, S: rin(d, S, [ok_conv]))
+    add('render missing input', lambda d, S: ['render', '--target', S['toy'], '--input', d/'none.jsonl', '--out', d/'r'], 1, ['none.jsonl'])
+    add('render --out holds other files', lambda d, S: ['render', '--target', S['toy'], '--input', d/'c.jsonl', '--out', d/'r'], 1, ['not', 'render'],
+        lambda d, S: (rin(d, S, [ok_conv]), (d/'r').mkdir(), (d/'r'/'samples.jsonl').write_text('mine\n')))
+    add('render --out is a file', lambda d, S: ['render', '--target', S['toy'], '--input', d/'c.jsonl', '--out', d/'r'], 1, ['not a folder'],
+        lambda d, S: (rin(d, S, [ok_conv]), (d/'r').write_text('mine')))
+    # -- export
+    add('export --out the data root', lambda d, S: ['export', ck(d, S), '--out', d/'data', '--target', S['toy']], 1, ['data', 'not'],
+        lambda d, S: data_root(d/'data'))
+    add('export --out the checkpoint', lambda d, S: ['export', ck(d, S), '--out', ck(d, S), '--target', S['toy']], 1, ['step_3'])
+    add('export --out a file', lambda d, S: ['export', ck(d, S), '--out', d/'f.txt', '--target', S['toy']], 1, ['f.txt'],
+        lambda d, S: (d/'f.txt').write_text('mine'))
+    add('export --aux-layers beyond the target', lambda d, S: ['export', ck(d, S), '--out', d/'x', '--target', S['toy'], '--aux-layers', '1,2,99'], 1, ['99', 'layers'])
+    add('export --aux-layers not numbers', lambda d, S: ['export', ck(d, S), '--out', d/'x', '--target', S['toy'], '--aux-layers', 'a,b,c'], 1, ['--aux-layers'])
+    add('export missing checkpoint', lambda d, S: ['export', d/'nock', '--out', d/'x', '--target', S['toy']], 1, ['nock'])
+    add('export missing target', lambda d, S: ['export', ck(d, S), '--out', d/'x', '--target', d/'no-target'], 1, ['no-target'])
+    # -- launch, doctor, serve, serve-bench
+    add('launch missing draft', lambda d, S: ['launch', d/'nodraft', '--target', 'x'], 1, ['nodraft'])
+    add('launch --tp -3', lambda d, S: ['launch', d/'nodraft', '--target', 'x', '--tp', '-3'], 1, ['--tp'])
+    add('launch --num-steps 0', lambda d, S: ['launch', d/'nodraft', '--target', 'x', '--num-steps', '0'], 1, ['--num-steps'])
+    add('doctor missing target', lambda d, S: ['doctor', d/'draft', '--target', d/'no-target'], 1, ['no-target'], lambda d, S: (d/'draft').mkdir())
+    add('doctor missing draft', lambda d, S: ['doctor', d/'nodraft', '--target', S['toy']], 1, ['nodraft'])
+    add('serve missing folder', lambda d, S: ['serve', d/'no-model'], 1, ['no-model'])
+    def bench_old(d, S):
+        (d/'res.json').write_text(json.dumps(dict(baseline='http://x/v1', rows=[dict(endpoint='baseline', ok=16)])))
+        (d/'break_even.png').write_bytes(b'png'); jsonl(d/'pr.jsonl', ['"hello"', '"hi"'])
+    down = ['--baseline', 'http://127.0.0.1:9/v1', '--speculative', 'http://127.0.0.1:9/v1', '--model', 'm', '-n', '2', '--concurrency', '1']
+    add('serve-bench --out existing, endpoints down', lambda d, S: ['serve-bench', *down, '--prompts', d/'pr.jsonl', '--out', d/'res.json'], 1, ['no request'], bench_old)
+    add('serve-bench --out a file that is not a bench record', lambda d, S: ['serve-bench', *down, '--prompts', d/'pr.jsonl', '--out', d/'notes.txt'], 1, ['notes.txt'],
+        lambda d, S: (bench_old(d, S), (d/'notes.txt').write_text('mine')))
+    add('serve-bench without --model, baseline down', lambda d, S: ['serve-bench', *down[:4], '--prompts', d/'pr.jsonl', '--out', d/'res.json'], 1, ['--baseline', 'server up'], bench_old)
+    add('serve-bench missing prompts', lambda d, S: ['serve-bench', *down, '--prompts', d/'none.jsonl'], 1, ['none.jsonl'])
+    add('serve-bench --concurrency x', lambda d, S: ['serve-bench', *down[:-2], '--concurrency', 'x', '--prompts', d/'pr.jsonl'], 1, ['--concurrency'], bench_old)
+    add('serve-bench prompts not JSON', lambda d, S: ['serve-bench', *down, '--prompts', d/'pr.jsonl'], 1, ['pr.jsonl', 'line 1'],
+        lambda d, S: (d/'pr.jsonl').write_text('hello\n'))
+    # -- recipe check
+    rc = lambda **kw: (lambda d, S: recipe(d, S['toy'], **kw))
+    ds = lambda **kw: [dict(dict(name='alpaca', format='alpaca', path=al), **kw)]
+    for label, kw, words in [
+        ('unknown format', dict(datasets=ds(format='alpacca')), ['datasets[0].format', 'alpacca']),
+        ('missing dataset path', dict(datasets=ds(path='/nonexistent/x.json')), ['datasets[0].path']),
+        ('negative count', dict(datasets=ds(count=-5)), ['datasets[0].count']),
+        ('unknown kind', dict(datasets=ds(kind='partial')), ['datasets[0].kind']),
+        ('dataset named ""', dict(datasets=ds(name='')), ['datasets[0].name']),
+        ('dataset named ../corpus', dict(datasets=ds(name='../corpus')), ['datasets[0].name']),
+        ('recipe named ../x', dict(name='../x'), ['name']),
+        ('misspelt phase parameter', dict(phases=dict(train=dict(max_step=3))), ['phases.train.max_step']),
+        ('misspelt phase name', dict(phases=dict(trian=dict(max_steps=3))), ['phases.trian']),
+        ('missing target folder', dict(target=dict(model='/nonexistent/model')), ['target.model']),
+        ('target folder without config', dict(target=dict(model='/tmp')), ['target.model', 'config.json']),
+    ]:
+        add(f'recipe check: {label}', lambda d, S: ['recipe', 'check', d/'recipe.yaml'], 1, words, rc(**kw))
+    def dr_file(d, S): (d/'dr').write_text('mine'); recipe(d, S['toy'], data_root=str(d/'dr'))
+    add('recipe check: data_root is a file', lambda d, S: ['recipe', 'check', d/'recipe.yaml'], 1, ['data_root'], dr_file)
+    # -- run
+    def fake_repo(d, S):
+        shutil.copytree(ROOT/'nbs'/'phases', d/'nbs'/'phases'); (d/'papermill_runs').mkdir(); recipe(d, S['toy'], target=dict(model=str(S['toy']), endpoints=['http://127.0.0.1:9/v1']))
+    for rid in ['../nbs/phases', '../../x', 'a/b', '..']:
+        add(f'run --run-id {rid}', lambda d, S, rid=rid: ['run', d/'recipe.yaml', '--run-id', rid, '--no-serve'], 1, ['--run-id'], fake_repo,
+            check=lambda d: not (d/'x').exists() and not (d.parent/'x').exists())
+    add('run misspelt phase name in recipe', lambda d, S: ['run', d/'recipe.yaml', '--no-serve'], 1, ['phases.trian'],
+        lambda d, S: (fake_repo(d, S), recipe(d, S['toy'], phases=dict(trian={}))))
+    add('run --phases misspelt', lambda d, S: ['run', d/'recipe.yaml', '--phases', 'prepar', '--no-serve'], 1, ['prepar'], fake_repo)
+    # -- phases whose inputs are missing
+    add('extract with no corpus', lambda d, S: ['extract', d/'recipe.yaml'], 1, ['corpus', 'merge'], rc())
+    add('extract --splits trian', lambda d, S: ['extract', d/'recipe.yaml', '--splits', 'trian'], 1, ['trian'], rc())
+    add('extract --modes bf61', lambda d, S: ['extract', d/'recipe.yaml', '--modes', 'bf61'], 1, ['bf61'], rc())
+    add('generate with no catalog', lambda d, S: ['generate', d/'recipe.yaml', '--no-progress'], 1, ['catalog'],
+        lambda d, S: recipe(d, S['toy'], target=dict(model=str(S['toy']), endpoints=['http://127.0.0.1:9/v1'])))
+    add('vocab --draft-vocab 0', lambda d, S: ['vocab', d/'recipe.yaml', '--draft-vocab', '0'], 1, ['--draft-vocab'], rc())
+    add('vocab with no corpus', lambda d, S: ['vocab', d/'recipe.yaml'], 1, ['corpus', 'merge'], rc())
+    add('merge with nothing rendered', lambda d, S: ['merge', d/'recipe.yaml'], 1, ['render'], rc())
+    add('plan with a missing recipe', lambda d, S: ['plan', d/'none.yaml'], 1, ['none.yaml'])
+    add('toy build into a folder of user files', lambda d, S: ['toy', 'build', 'kimi-tiny', '--out', d/'mymodel'], 1, ['mymodel'],
+        lambda d, S: ((d/'mymodel').mkdir(), (d/'mymodel'/'notes.txt').write_text('mine')))
+    # -- more of each kind
+    add('prepare --kind partial', lambda d, S: ['prepare', '--format', 'alpaca', '--input', al, '--name', 'x', '--out', d/'p', '--kind', 'partial'], 2, ['--kind'])
+    add('prepare a hub id offline', lambda d, S: ['prepare', '--format', 'alpaca', '--input', 'no-org/no-such-dataset', '--name', 'x', '--out', d/'p'], 1, ['no-org/no-such-dataset', 'hub'])
+    add('prepare a folder with no data files', lambda d, S: ['prepare', '--format', 'alpaca', '--input', d/'empty', '--name', 'x', '--out', d/'p'], 1, ['no .json'],
+        lambda d, S: ((d/'empty').mkdir(), (d/'empty'/'notes.md').write_text('x')))
+    add('render lines that are not objects', lambda d, S: ['render', '--target', S['toy'], '--input', d/'c.jsonl', '--out', d/'r'], 0, ['"rejected": 1'],
+        lambda d, S: rin(d, S, [ok_conv, '[1, 2]']), check=lambda d: 'line 2' in (d/'r'/'rejects.jsonl').read_text())
+    add('render content that is not text', lambda d, S: ['render', '--target', S['toy'], '--input', d/'c.jsonl', '--out', d/'r'], 0, ['"rejected": 1'],
+        lambda d, S: rin(d, S, [ok_conv, dict(messages=[dict(role='user', content={'a': 1}), dict(role='assistant', content='x')])]),
+        check=lambda d: 'not text' in (d/'r'/'rejects.jsonl').read_text())
+    add('serve --port 0', lambda d, S: ['serve', S['toy'], '--port', '0'], 1, ['--port'])
+    add('extract --token-budget 0', lambda d, S: ['extract', d/'recipe.yaml', '--token-budget', '0'], 1, ['--token-budget'], rc())
+    add('toy build --force into a folder of user files', lambda d, S: ['toy', 'build', 'kimi-tiny', '--out', d/'mymodel', '--force'], 1, ['mymodel'],
+        lambda d, S: ((d/'mymodel').mkdir(), (d/'mymodel'/'notes.txt').write_text('mine')))
+    add('recipe check: not YAML', lambda d, S: ['recipe', 'check', d/'recipe.yaml'], 1, ['recipe.yaml', 'yaml'], lambda d, S: (d/'recipe.yaml').write_text('name: [x\n'))
+    add('run with a missing target folder', lambda d, S: ['run', d/'recipe.yaml', '--no-serve'], 1, ['target.model'],
+        lambda d, S: (fake_repo(d, S), recipe(d, S['toy'], target=dict(model=str(d/'no-model')))))
+    def merge_mine(d, S):
+        import yaml
+        from eagle3nb.merge import smoke_recipe
+        recipe(d, S['toy'], datasets=[]); (d/'data'/'corpus').mkdir(parents=True); (d/'data'/'corpus'/'mine.bin').write_bytes(b'x')
+    add('merge into a corpus folder of user files', lambda d, S: ['merge', d/'recipe.yaml'], 1, ['corpus', 'merge did not write'], merge_mine)
+    add('export --data that is no data root', lambda d, S: ['export', ck(d, S), '--out', d/'x', '--target', S['toy'], '--data', d], 1, ['rendered'])
+    return C
+
+CASES = cases()
+
+@pytest.fixture(scope='session')
+def shared(kimi_tiny, tmp_path_factory):
+    "The toy target, a training checkpoint in a run folder"
+    return build_shared(tmp_path_factory.mktemp('bad'), toy=kimi_tiny)
+
+@pytest.mark.parametrize('case', CASES, ids=[c['name'] for c in CASES])
+def test_bad_input(case, shared, tmp_path):
+    d = tmp_path/'case'; d.mkdir(); c = dict(case, dir=d)
+    c['setup'](d, shared); argv = c['argv'](d, shared)
+    protected = (d, shared['toy'], shared['ckpt'].parent.parent)
+    before = sums(*protected)
+    res = call(argv, d)
+    after = sums(*protected)
+    assert res['tb'] is None and 'Traceback (most recent call last)' not in res['out'] + res['err'], res['tb'] or res['err'][-2000:]
+    assert [f for f, h in before.items() if after.get(f) != h] == [], 'files that were there before changed or went away'
+    assert res['code'] == case['code'], (res['code'], res['err'][-1500:], res['out'][-500:])
+    if case['code']:
+        lines = error_lines(res)
+        assert len(lines) == 1, res['err']
+        text = lines[0]
+    else: text = res['out'] + res['err']
+    missing = [w for w in case['words'] if w.lower() not in text.lower()]
+    assert not missing, (missing, text[-1500:])
+    if case['check']: assert case['check'](d), f"{case['name']}: its output does not say what was rejected"
+
+def test_enough_bad_inputs_across_the_verbs():
+    verbs = {c['name'].split()[0] for c in CASES}
+    assert len(CASES) >= 40 and len(verbs) >= 12, (len(CASES), sorted(verbs))
+
+def test_own_output_is_replaced(shared, tmp_path):
+    "The refusals above never block a rerun: a verb replaces what it wrote itself"
+    ck_ = ck(tmp_path, shared); al = str(FIX/'alpaca_en_demo.sample.json')
+    jsonl(tmp_path/'c.jsonl', [conv(('user', 'hi', None), ('assistant', 'hello', None))])
+    for argv in (['export', ck_, '--out', tmp_path/'x', '--target', shared['toy']],
+                 ['prepare', '--format', 'alpaca', '--input', al, '--name', 'a', '--out', tmp_path/'p', '--force'],
+                 ['render', '--target', shared['toy'], '--input', tmp_path/'c.jsonl', '--out', tmp_path/'r']):
+        first, again = call(argv, tmp_path), call(argv, tmp_path)
+        assert (first['code'], again['code'], again['tb']) == (0, 0, None), (argv[0], again['err'][-1500:])
