@@ -468,7 +468,7 @@ _EMPTY = dict(input_ids=[], loss_mask=[], spans=[], prompt_tokens=0, completion_
               has_tools=False, prompt_only=False, template_sha256='', reject='', stored_merged=0, stored_unmerged=0, fallback='', renders=0)
 
 def render_batch(batch:dict, target_dir:str, thinking:bool=True, merge:bool=True, trust_remote_code:bool=False)->dict:
-    "`datasets.map(batched=True)` body: prepared rows (JSON-text fields) in, sample and reject rows out"
+    "`datasets.map(batched=True)` body: prepared rows (`schema.record_schema`) in, sample and reject rows out"
     tok = load_tokenizer(target_dir, trust_remote_code)
     convs = [from_record(dict(zip(batch, vs))) for vs in zip(*batch.values())]
     rows = [{**_EMPTY, **r} for r in render_conversations(convs, tok, thinking, merge)]
@@ -608,5 +608,5 @@ def catalog_rows(rendered_dir, # a rendered dataset directory (`render_dataset`)
     if prepared_dir is None: return out
     from eagle3nb.prepare import load_prepared
     p = load_prepared(prepared_dir).data.table
-    turns = pa.table(dict(conversation_id=p['sample_id'], n_turns=pa.array([len(json.loads(m)) for m in p['messages'].to_pylist()], pa.int32())))
+    turns = pa.table(dict(conversation_id=p['sample_id'], n_turns=pc.list_value_length(p['messages']).cast(pa.int32())))
     return out.join(turns, 'conversation_id', join_type='left outer').sort_by('sample_id')
