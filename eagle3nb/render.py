@@ -285,6 +285,18 @@ def _continues(Pa:str, Pb:str, # prompts of events a and b
         pos.append(len(Pb))
     return pos
 
+# %% ../nbs/20_render.ipynb #56fd8e6d
+def _group(P:str, a:int, b:int, pos:list, comps:list)->dict:
+    "Group of events a..b: the text (prompt of b + its completion), prompt ends, completions"
+    return dict(text=P + comps[b][0], events=list(range(a, b + 1)), ends=pos, comps=[t for t, _ in comps[a:b+1]])
+
+def _whole(Pb:str, ms:list, gens:list, comps:list, mark:str)->list|None:
+    "Prompt ends of every event in the last prompt `Pb`, event 0's found by search; None where not all continue"
+    if any(m['role'] == 'system' for m in ms[next(i for i, m in enumerate(ms) if m['role'] != 'system'):]): return None
+    at = Pb.find(gens[0] + comps[0][0])
+    if at < 0 or Pb.count(mark, 0, at): return None
+    return _continues(Pb[:at + len(gens[0])], Pb, gens, comps, mark)
+
 # %% ../nbs/20_render.ipynb #b2f90500
 def plan_groups(c:dict, tok, fam:str, # conversation; the target's tokenizer; its template family
                 thinking:bool=True)->dict: # groups (text, events, prompt ends, completions), events, renders
@@ -299,6 +311,7 @@ def plan_groups(c:dict, tok, fam:str, # conversation; the target's tokenizer; it
         return P[j]
     ends = lambda a, b: _continues(prompt(a), prompt(b), gens[a:b+1], comps[a:b+1], _TURN_MARK[fam])
     groups, a, E = [], 0, len(turns)
+    if E > 1 and (r := _whole(prompt(E - 1), ms, gens, comps, _TURN_MARK[fam])): a = E; groups.append(_group(P[E - 1], 0, E - 1, r, comps))
     while a < E:
         lo, pos = a, ends(a, a)
         if a + 1 < E and (r := ends(a, a + 1)):
@@ -309,8 +322,7 @@ def plan_groups(c:dict, tok, fam:str, # conversation; the target's tokenizer; it
             while hi - lo > 1:
                 if r := ends(a, mid := (lo + hi) // 2): lo, pos = mid, r
                 else: hi = mid
-        groups.append(dict(text=P[lo] + comps[lo][0], events=list(range(a, lo + 1)), ends=pos, comps=[t for t, _ in comps[a:lo+1]]))
-        a = lo + 1
+        groups.append(_group(P[lo], a, lo, pos, comps)); a = lo + 1
     evs = [dict(event=e, think=k, tools=bool(ms[i].get('tool_calls'))) for e, (i, (_, k)) in enumerate(zip(turns, comps))]
     return dict(groups=groups, events=evs, renders=len(P))
 
@@ -323,16 +335,29 @@ def _cuts(text:str, end:str)->list:
     while k >= 0: out.append(k + len(end)); k = text.find(end, k + len(end))
     return out if out[-1] == len(text) else out + [len(text)]
 
+def _encode_offsets(tok, texts:list)->list:
+    "(ids, offsets) of each text, as `tok(texts, add_special_tokens=False, return_offsets_mapping=True)` gives them"
+    if not texts: return []
+    enc = tok(texts[:1], add_special_tokens=False, return_offsets_mapping=True)  # also sets the backend up as transformers does
+    bk = tok.backend_tokenizer
+    if bk.truncation is not None or bk.padding is not None:  # not the plain case: let transformers do it all
+        enc = tok(texts, add_special_tokens=False, return_offsets_mapping=True); return list(zip(enc['input_ids'], enc['offset_mapping']))
+    return [(e.ids, e.offsets) for e in bk.encode_batch(texts, add_special_tokens=False)]
+
+# %% ../nbs/20_render.ipynb #33b94996
 def _encode_cut(tok, texts:list, end:str)->list:
-    "(ids, offsets) of each text, encoded in pieces cut after `end` (one batch)"
+    "(ids, added) per text, encoded in pieces cut after `end`, each distinct piece once; added: (start, end, index) of its added tokens"
     cuts = [_cuts(t, end) for t in texts]
-    enc = tok([t[a:b] for t, cs in zip(texts, cuts) for a, b in zip(cs, cs[1:])], add_special_tokens=False, return_offsets_mapping=True) if texts else {}
+    pieces = [t[a:b] for t, cs in zip(texts, cuts) for a, b in zip(cs, cs[1:])]
+    uniq, added = list(dict.fromkeys(pieces)), set(tok.added_tokens_decoder)
+    enc = {p: (ids, [(s, e, k) for k, (t, (s, e)) in enumerate(zip(ids, offs)) if t in added]) for p, (ids, offs) in zip(uniq, _encode_offsets(tok, uniq))}
     out, k = [], 0
     for cs in cuts:
-        ids, offs = [], []
+        ids, marks = [], []
         for a in cs[:-1]:
-            ids += enc['input_ids'][k]; offs += [(x + a, y + a) for x, y in enc['offset_mapping'][k]]; k += 1
-        out.append((ids, offs))
+            pid, pm = enc[pieces[k]]; k += 1
+            marks += [(s + a, e + a, n + len(ids)) for s, e, n in pm]; ids += pid
+        out.append((ids, marks))
     return out
 
 # %% ../nbs/20_render.ipynb #4834c611
@@ -340,15 +365,14 @@ def tokenize_groups(tok, gs:list, # groups from `plan_groups`
                     fam:str):
     "Add `ids` and per event its token cut `t`, prompt window `loc`, `completion` ids and `whole` (window + completion) to each group"
     if not gs: return
-    added, texts = set(tok.added_tokens_decoder), []
-    for g, (ids, offs) in zip(gs, _encode_cut(tok, [g['text'] for g in gs], _END[fam])):
-        ks = [k for k, t in enumerate(ids) if t in added]
-        ends = [offs[k][1] for k in ks]
-        at = {offs[k][0]: k for k in ks} | {offs[k][1]: k + 1 for k in ks}  # token index at an added token's start and end
+    texts = []
+    for g, (ids, marks) in zip(gs, _encode_cut(tok, [g['text'] for g in gs], _END[fam])):
+        ends = [e for _, e, _ in marks]
+        at = {s: n for s, _, n in marks} | {e: n + 1 for _, e, n in marks}  # token index at an added token's start and end
         g['ids'], g['tok'] = ids, []
         for e, pe, c in zip(g['events'], g['ends'], g['comps']):
             i = bisect_right(ends, pe) - 1
-            s, t = (ends[i], ks[i] + 1) if i >= 0 else (0, 0)
+            s, t = (ends[i], marks[i][2] + 1) if i >= 0 else (0, 0)
             tp, tq, x = at.get(pe), at.get(pe + len(c)), dict(event=e, t=t)
             if tp is not None and tq is not None: x.update(loc=ids[t:tp], completion=ids[tp:tq])
             else: x['win'] = len(texts); texts += [g['text'][s:pe], g['text'][s:pe] + c, c]
