@@ -345,12 +345,14 @@ def _encode_offsets(tok, texts:list)->list:
     return [(e.ids, e.offsets) for e in bk.encode_batch(texts, add_special_tokens=False)]
 
 # %% ../nbs/20_render.ipynb #33b94996
+from itertools import compress, count
+
 def _encode_cut(tok, texts:list, end:str)->list:
     "(ids, added) per text, encoded in pieces cut after `end`, each distinct piece once; added: (start, end, index) of its added tokens"
     cuts = [_cuts(t, end) for t in texts]
     pieces = [t[a:b] for t, cs in zip(texts, cuts) for a, b in zip(cs, cs[1:])]
     uniq, added = list(dict.fromkeys(pieces)), set(tok.added_tokens_decoder)
-    enc = {p: (ids, [(s, e, k) for k, (t, (s, e)) in enumerate(zip(ids, offs)) if t in added]) for p, (ids, offs) in zip(uniq, _encode_offsets(tok, uniq))}
+    enc = {p: (ids, [(*offs[k], k) for k in compress(count(), map(added.__contains__, ids))]) for p, (ids, offs) in zip(uniq, _encode_offsets(tok, uniq))}
     out, k = [], 0
     for cs in cuts:
         ids, marks = [], []
