@@ -34,7 +34,8 @@ Long agent trajectories (--turns, on the first toy of --toys; kimi-tiny by defau
 synthetic trajectory: a system and a user turn, then T turns of reasoning (~80 words) + content (~20) + one tool call,
 each followed by its tool result (~150 words), and a final reasoned answer, about 350 tokens a turn; every word drawn
 from a seeded generator, so no two turns are alike. Both sides render it; eagle3nb best of --repeat, SpecForge best of
---repeat too unless one round takes more than --sf-round-s seconds (then that one round). tok/s counts output tokens;
+--repeat too unless one round takes more than --sf-round-s seconds (then that one round), and only up to --sf-max-turns
+turns (its cost grows faster than the square of the turns: 400 turns would take many minutes). tok/s counts output tokens;
 `renders` is eagle3nb's chat-template renders for the trajectory (`fallback` would name a per-event fallback).
 --n 0 skips the short chat shapes, --turns '' the trajectories.
 
@@ -162,7 +163,7 @@ def trajectory(n, seed=0):
     return conversation('bench-traj', n, ms, tools=SAMPLE_TOOLS)
 
 
-def turns_table(toy, turns, repeat, sf_round_s):
+def turns_table(toy, turns, repeat, sf_round_s, sf_max_turns):
     "Render seconds and tokens/s by trajectory length, both sides, same trajectory"
     d = ensure_toy(toy)
     tok_sf, tok_e3 = AutoTokenizer.from_pretrained(d), AutoTokenizer.from_pretrained(d)
@@ -176,13 +177,18 @@ def turns_table(toy, turns, repeat, sf_round_s):
         t_e3 = t_sf = float('inf')
         for _ in range(repeat):
             t, rows = timed(run_eagle3nb, tok_e3, convs); t_e3 = min(t_e3, t)
+        n_e3 = sum(len(r['input_ids']) for r in rows if 'reject' not in r); rates[n] = n_e3 / t_e3
+        fb = {r['fallback'] for r in rows if r.get('fallback')}
+        e3 = f"{len([r for r in rows if 'reject' not in r]):7d} {n_e3:9,d} {t_e3:7.3f} {n_e3/t_e3:9,.0f}"
+        if n > sf_max_turns:  # SpecForge's cost grows faster than the square of the turns: minutes beyond this
+            lines.append(f"{toy:10s} {n:5d} {'-':>9s} {'-':>8s} {'-':>9s} {e3} {'-':>7s} {sum(r.get('renders', 0) for r in rows):7d}")
+            print(lines[-1], file=sys.stderr, flush=True); continue
         for _ in range(repeat):
             t, sf = timed(run_specforge, tok_sf, tmpl, convs); t_sf = min(t_sf, t)
             if t > sf_round_s: break
-        n_sf, n_e3 = sum(len(i) for i, _ in sf), sum(len(r['input_ids']) for r in rows if 'reject' not in r)
-        agree, _ = compare(convs, sf, rows); rates[n] = n_e3 / t_e3
-        fb = {r['fallback'] for r in rows if r.get('fallback')}
-        lines.append(f"{toy:10s} {n:5d} {n_sf:9,d} {t_sf:8.3f} {n_sf/t_sf:9,.0f} {agree['e3_rows']:7d} {n_e3:9,d} {t_e3:7.3f} {n_e3/t_e3:9,.0f} "
+        n_sf = sum(len(i) for i, _ in sf)
+        agree, _ = compare(convs, sf, rows)
+        lines.append(f"{toy:10s} {n:5d} {n_sf:9,d} {t_sf:8.3f} {n_sf/t_sf:9,.0f} {e3} "
                      f"{t_sf/t_e3:6.1f}x {sum(r.get('renders', 0) for r in rows):7d}  {agree['same']:4d} {agree['same_sup']:8d} {agree['differ']:6d} "
                      f"{agree['sf_sup']:10,d} {agree['e3_sup']:10,d}" + (f"  fallback: {', '.join(fb)}" if fb else ''))
         print(lines[-1], file=sys.stderr, flush=True)
@@ -198,9 +204,10 @@ def main():
     ap.add_argument('--toys', nargs='+', default=list(TOYS), choices=list(TOYS))
     ap.add_argument('--turns', default='10,25,50,100,200,400', help="trajectory lengths, comma-separated ('' to skip)")
     ap.add_argument('--sf-round-s', type=float, default=20.0, help='SpecForge trajectory rounds stop after one this slow')
+    ap.add_argument('--sf-max-turns', type=int, default=200, help='SpecForge renders trajectories up to this many turns')
     a = ap.parse_args()
     turns = [int(x) for x in a.turns.split(',') if x.strip()]
-    if turns: print('\n'.join(turns_table(a.toys[0], turns, a.repeat, a.sf_round_s)) + '\n', flush=True)
+    if turns: print('\n'.join(turns_table(a.toys[0], turns, a.repeat, a.sf_round_s, a.sf_max_turns)) + '\n', flush=True)
     if not a.n: return
     warnings.simplefilter('ignore')  # SpecForge warns once per conversation that has its own system turn
     S = seeds(Path(tempfile.mkdtemp(prefix='e3nb-bench-render-')))

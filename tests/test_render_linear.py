@@ -87,3 +87,15 @@ def test_trajectory_is_one_sample_in_three_renders_and_linear(toks):
             t0 = time.perf_counter(); n = len(render_conversations([c], tok)[0]['input_ids']); best = min(best, time.perf_counter() - t0)
         return n / best
     assert rate(big) > rate(small) / 3  # linear: tokens/s within 3x (the bench asks 2x from 10 to 400 turns on a quiet machine)
+
+
+def test_manifest_counts_fallback_and_renders(toys, tmp_path):
+    "render_dataset's manifest says how many conversations took the per-event path (and why) and how many prompts were rendered"
+    from eagle3nb.prepare import prepare
+    from eagle3nb.render import render_dataset
+    from test_render import FIXTURES
+    prepare(FIXTURES/'llamafactory_reason_tool_use_demo.sample.jsonl', 'llamafactory_v1', 'lf', tmp_path/'p', progress=False)
+    m = render_dataset(tmp_path/'p'/'lf', toys['kimi'], tmp_path/'r', num_proc=1)
+    assert m['fallback'] == dict(conversations=0, reasons={}) and 0 < m['prompt_renders'] <= m['events']
+    from datasets import load_from_disk
+    assert not {'fallback', 'renders'} & set(load_from_disk(str(tmp_path/'r')).column_names)  # bookkeeping, not saved
