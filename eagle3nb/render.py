@@ -432,12 +432,17 @@ def _rows(c, evs, sha, merge):
         out.append(s)
     return out
 
-def _plan(c, tok, fam, thinking)->dict:
+def _blocker(tok, fam)->str:
+    "Why `tok` cannot take the linear path at all, '' if it can"
+    if fam not in EMITTERS: return 'template family without an emitter'
+    if not getattr(tok, 'is_fast', False): return 'slow tokenizer (no offsets)'
+    if _END[fam] not in {t.content for t in tok.added_tokens_decoder.values()}: return f'{_END[fam]} is not an added token'
+    return ''
+
+def _plan(c, tok, fam, thinking, blocker:str='')->dict:
     "`plan_groups` of `c`, or `{'fallback': why}` where the per-event path renders it"
-    try:
-        if fam not in EMITTERS: raise _PerEvent('template family without an emitter')
-        if not getattr(tok, 'is_fast', False): raise _PerEvent('slow tokenizer (no offsets)')
-        return plan_groups(c, tok, fam, thinking)
+    if blocker: return dict(fallback=blocker)
+    try: return plan_groups(c, tok, fam, thinking)
     except _PerEvent as e: return dict(fallback=str(e))
 
 # %% ../nbs/20_render.ipynb #efbed51d
@@ -445,7 +450,8 @@ def render_conversations(convs:list, tok, # canonical conversations; the target'
                          thinking:bool=True, merge:bool=True)->list: # per conversation: its reject rows, then its samples
     "Sample rows and reject rows (with `reject`) for `convs`: one render per group where the template continues, per event elsewhere"
     fam, sha = template_family(tok.chat_template), template_sha256(tok)
-    plans = [_plan(c, tok, fam, thinking) for c in convs]
+    why = _blocker(tok, fam)
+    plans = [_plan(c, tok, fam, thinking, why) for c in convs]
     tokenize_groups(tok, [g for p in plans if 'groups' in p for g in p['groups']], fam)
     out = {k: r for k, (c, p) in enumerate(zip(convs, plans)) if 'groups' in p and (r := _plan_rows(c, p, sha, merge)) is not None}
     slow = [k for k in range(len(convs)) if k not in out]
