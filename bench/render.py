@@ -1,7 +1,7 @@
 """Render throughput: eagle3nb.render side by side with SpecForge 0.2.0's `preprocess_conversations`, in one run.
 
     bash bench/setup_bench_venv.sh                          # once: .venv-bench with eagle3nb AND specforge==0.2.0
-    .venv-bench/bin/python bench/render.py [--n 3000] [--repeat 5] [--toys kimi-tiny qwen3-tiny]
+    .venv-bench/bin/python bench/render.py [--n 3000] [--repeat 5] [--toys kimi-tiny qwen3-tiny] [--turns 10,25,50,100,200,400]
 
 Both sides get the same conversations and the same tokenizer files, in one process, one core (OMP_NUM_THREADS=1,
 TOKENIZERS_PARALLELISM=false, as the Makefile sets them), and each does render + tokenize + loss mask:
@@ -30,13 +30,22 @@ conv/s counts input conversations (the same for both sides, so E3/SF is the spee
 side outputs (eagle3nb may emit more than one row per conversation, each with its full prefix: `E3 rows`).
 `all` = all conversations / summed times.
 
+Long agent trajectories (--turns, on the first toy of --toys; kimi-tiny by default): for each number of turns T, one
+synthetic trajectory: a system and a user turn, then T turns of reasoning (~80 words) + content (~20) + one tool call,
+each followed by its tool result (~150 words), and a final reasoned answer, about 350 tokens a turn; every word drawn
+from a seeded generator, so no two turns are alike. Both sides render it; eagle3nb best of --repeat, SpecForge best of
+--repeat too unless one round takes more than --sf-round-s seconds (then that one round), and only up to --sf-max-turns
+turns (its cost grows faster than the square of the turns: 400 turns would take many minutes). tok/s counts output tokens;
+`renders` is eagle3nb's chat-template renders for the trajectory (`fallback` would name a per-event fallback).
+--n 0 skips the short chat shapes, --turns '' the trajectories.
+
 Agreement, per conversation: `same` = eagle3nb made one row whose input_ids and loss_mask equal SpecForge's;
 `same sup` = the supervised (mask 1) token sequences are equal, eagle3nb's rows taken in order (ids differ elsewhere);
 `differ` = the supervised tokens differ; `SF sup tok` / `E3 sup tok` = supervised tokens in all. After the table, per
 toy and shape with differences: the runs of supervised tokens that only one side has (difflib over the two supervised
 sequences), each with the number of conversations it occurs in.
 """
-import argparse, copy, os, sys, tempfile, time, warnings
+import argparse, copy, os, random, sys, tempfile, time, warnings
 from collections import Counter
 from difflib import SequenceMatcher
 from pathlib import Path
@@ -54,6 +63,8 @@ import yaml
 from transformers import AutoTokenizer
 from eagle3nb.prepare import prepare, conversations
 from eagle3nb.render import render_conversations
+from eagle3nb.schema import conversation, message, tool_call
+from eagle3nb.toy import SAMPLE_TOOLS
 from eagle3nb.toy import ensure_toy
 
 TOYS = {'kimi-tiny': 'kimi-k2-thinking', 'qwen3-tiny': 'qwen3-thinking'}  # toy -> SpecForge template
@@ -137,12 +148,67 @@ def explain(tok, diffs, top=3):
                      for side, c in only.items())
 
 
+WORDS = ('the a file test function error value return import class module path line fix patch check run output list '
+         'assert config parse token branch commit build failing passes expected got raise call').split()
+
+
+def trajectory(n, seed=0):
+    "A synthetic agent trajectory of `n` turns: reasoning + content + one tool call, then its result; a reasoned answer last"
+    r = random.Random(seed); w = lambda k: ' '.join(r.choice(WORDS) for _ in range(k))
+    ms = [message('system', 'You are a coding agent. ' + w(20)), message('user', 'Fix the failing test. ' + w(40))]
+    for t in range(n):
+        ms += [message('assistant', w(20), reasoning_content=w(80), tool_calls=[tool_call('bash', {'command': f'grep -n "{w(3)}" src/m{t}.py'})]),
+               message('tool', w(150))]
+    ms.append(message('assistant', 'Done. ' + w(30), reasoning_content=w(40)))
+    return conversation('bench-traj', n, ms, tools=SAMPLE_TOOLS)
+
+
+def turns_table(toy, turns, repeat, sf_round_s, sf_max_turns):
+    "Render seconds and tokens/s by trajectory length, both sides, same trajectory"
+    d = ensure_toy(toy)
+    tok_sf, tok_e3 = AutoTokenizer.from_pretrained(d), AutoTokenizer.from_pretrained(d)
+    tmpl = TEMPLATE_REGISTRY.get(TOYS[toy]).model_copy(update=dict(system_prompt=None))
+    run_specforge(tok_sf, tmpl, [trajectory(3)]); run_eagle3nb(tok_e3, [trajectory(3)])  # warm-up
+    hdr = (f"{'toy':10s} {'turns':>5s} {'SF tokens':>9s} {'SF s':>8s} {'SF tok/s':>9s} {'E3 rows':>7s} {'E3 tokens':>9s} {'E3 s':>7s} "
+           f"{'E3 tok/s':>9s} {'E3/SF':>7s} {'renders':>7s}  {'same':>4s} {'same sup':>8s} {'differ':>6s} {'SF sup tok':>10s} {'E3 sup tok':>10s}")
+    lines, rates = [hdr], {}
+    for n in turns:
+        convs = [trajectory(n, seed=n)]
+        t_e3 = t_sf = float('inf')
+        for _ in range(repeat):
+            t, rows = timed(run_eagle3nb, tok_e3, convs); t_e3 = min(t_e3, t)
+        n_e3 = sum(len(r['input_ids']) for r in rows if 'reject' not in r); rates[n] = n_e3 / t_e3
+        fb = {r['fallback'] for r in rows if r.get('fallback')}
+        e3 = f"{len([r for r in rows if 'reject' not in r]):7d} {n_e3:9,d} {t_e3:7.3f} {n_e3/t_e3:9,.0f}"
+        if n > sf_max_turns:  # SpecForge's cost grows faster than the square of the turns: minutes beyond this
+            lines.append(f"{toy:10s} {n:5d} {'-':>9s} {'-':>8s} {'-':>9s} {e3} {'-':>7s} {sum(r.get('renders', 0) for r in rows):7d}")
+            print(lines[-1], file=sys.stderr, flush=True); continue
+        for _ in range(repeat):
+            t, sf = timed(run_specforge, tok_sf, tmpl, convs); t_sf = min(t_sf, t)
+            if t > sf_round_s: break
+        n_sf = sum(len(i) for i, _ in sf)
+        agree, _ = compare(convs, sf, rows)
+        lines.append(f"{toy:10s} {n:5d} {n_sf:9,d} {t_sf:8.3f} {n_sf/t_sf:9,.0f} {e3} "
+                     f"{t_sf/t_e3:6.1f}x {sum(r.get('renders', 0) for r in rows):7d}  {agree['same']:4d} {agree['same_sup']:8d} {agree['differ']:6d} "
+                     f"{agree['sf_sup']:10,d} {agree['e3_sup']:10,d}" + (f"  fallback: {', '.join(fb)}" if fb else ''))
+        print(lines[-1], file=sys.stderr, flush=True)
+    lo, hi = min(rates), max(rates)
+    lines.append(f"eagle3nb tok/s at {hi} turns / at {lo} turns: {rates[hi] / rates[lo]:.2f}")
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument('--n', type=int, default=3000, help='conversations per toy, split evenly over the shapes')
     ap.add_argument('--repeat', type=int, default=5, help='timing rounds; the best is kept')
     ap.add_argument('--toys', nargs='+', default=list(TOYS), choices=list(TOYS))
+    ap.add_argument('--turns', default='10,25,50,100,200,400', help="trajectory lengths, comma-separated ('' to skip)")
+    ap.add_argument('--sf-round-s', type=float, default=20.0, help='SpecForge trajectory rounds stop after one this slow')
+    ap.add_argument('--sf-max-turns', type=int, default=200, help='SpecForge renders trajectories up to this many turns')
     a = ap.parse_args()
+    turns = [int(x) for x in a.turns.split(',') if x.strip()]
+    if turns: print('\n'.join(turns_table(a.toys[0], turns, a.repeat, a.sf_round_s, a.sf_max_turns)) + '\n', flush=True)
+    if not a.n: return
     warnings.simplefilter('ignore')  # SpecForge warns once per conversation that has its own system turn
     S = seeds(Path(tempfile.mkdtemp(prefix='e3nb-bench-render-')))
     per = {s: [c for c in S if shape(c) == s] for s in SHAPES}

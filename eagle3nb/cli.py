@@ -20,7 +20,7 @@ def _draft_dir(d)->Path:
     if not (Path(d)/'config.json').is_file(): raise FileNotFoundError(f"{d}: no exported draft here (no config.json); run `eagle3nb export CHECKPOINT --out {d}` first")
     return Path(d)
 
-_POSITIVE = ('limit', 'count', 'tp', 'num_steps', 'topk', 'draft_vocab', 'token_budget', 'n', 'max_tokens', 'port')  # counts and sizes
+_POSITIVE = ('limit', 'count', 'tp', 'num_steps', 'topk', 'draft_vocab', 'token_budget', 'n', 'max_tokens', 'port', 'num_speculative_tokens')  # counts and sizes
 
 def _check_args(a):
     "Refuse what no verb can use, naming the option: a count below 1, a model, draft or target folder that is not one"
@@ -29,7 +29,8 @@ def _check_args(a):
     for k in _POSITIVE:
         if (v := getattr(a, k, None)) is not None and v < 1: raise ValueError(f"{'-n' if k == 'n' else '--' + k.replace('_', '-')} {v}: give a positive integer")
     if a.verb == 'serve' and not re.fullmatch(r'[\w.-]+/[\w.-]+', a.model_dir): model_dir(a.model_dir, 'model_dir')  # a hub id is the server's to fetch
-    if a.verb == 'launch': _draft_dir(a.draft)
+    if a.verb == 'launch' or (a.verb == 'serve' and getattr(a, 'draft', None)): _draft_dir(a.draft)
+    if a.verb == 'verify': _draft_dir(a.draft); model_dir(a.target)
     if a.verb == 'doctor':
         if not Path(a.draft).is_dir(): raise FileNotFoundError(f"{a.draft}: no such draft folder; give the folder `eagle3nb export` wrote")
         model_dir(a.target)

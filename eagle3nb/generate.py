@@ -149,7 +149,8 @@ def _history(prepared_dir, cids:set)->dict:
     t = load_prepared(prepared_dir).data.table
     keep = [i for i, c in enumerate(t['sample_id'].to_pylist()) if c in cids]
     sub = t.take(keep).select(['sample_id', 'messages', 'tools']).to_pylist()
-    return {r['sample_id']: (json.loads(r['messages']), json.loads(r['tools']) if r['tools'] else []) for r in sub}
+    from eagle3nb.schema import from_record
+    return {r['sample_id']: (c['messages'], c['tools']) for r in sub for c in [from_record(r)]}
 
 def load_jobs(r, p:dict, skip:set=frozenset())->tuple:
     "Jobs for recipe `r` with parameters `p`, minus `skip`; and rows that cannot be sent, as failure records"

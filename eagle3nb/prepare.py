@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow as pa, pyarrow.parquet as pq
 from tqdm.auto import tqdm
 from .recipe import one_name, claim_output
-from .schema import ADAPTERS, KINDS, SCHEMA_VERSION, Reject, to_record, from_record
+from .schema import ADAPTERS, KINDS, SCHEMA_VERSION, Reject, to_record, from_record, record_schema
 from . import adapters, agent_adapters  # registers every format
 
 # %% ../nbs/13_prepare.ipynb #d7fad50d
@@ -138,8 +138,7 @@ def _sha256_files(path:Path)->str:
             for b in iter(lambda: fh.read(1 << 20), b''): h.update(b)
     return h.hexdigest()
 
-_SCHEMA = pa.schema([('sample_id', pa.string()), ('dataset', pa.string()), ('source_index', pa.int64()), ('kind', pa.string()),
-                     ('tools', pa.string()), ('messages', pa.string()), ('license', pa.string()), ('meta', pa.string())])
+_SCHEMA = record_schema()
 
 def _write_shards(rows:list, d:Path, shard_rows:int)->list:
     "Parquet shards of `rows` (none when there are no rows); returns their names"
@@ -209,7 +208,7 @@ def _publish(dst:Path, rows, rejects, reasons, params, src, t0, shard_rows)->dic
     shards = _write_shards(rows, tmp, shard_rows)
     with open(tmp/'rejects.jsonl', 'w') as f:
         for r in rejects: f.write(json.dumps(r, ensure_ascii=False) + '\n')
-    h = hashlib.sha256(''.join(r['sample_id'] + r['messages'] for r in rows).encode()).hexdigest()
+    h = hashlib.sha256(''.join(r['sample_id'] + json.dumps(r['messages'], ensure_ascii=False) for r in rows).encode()).hexdigest()
     secs = time.time() - t0; read = len(rows) + len(rejects)
     m = dict(name=dst.name, source=str(src), params=params, schema_version=SCHEMA_VERSION, read=read, kept=len(rows),
              rejected=len(rejects), reject_reasons=dict(reasons.most_common()), kinds=dict(Counter(r['kind'] for r in rows)),
@@ -225,13 +224,23 @@ def read_manifest(d)->dict|None:
     p = Path(d)/'manifest.json'
     return json.loads(p.read_text()) if p.exists() else None
 
+# %% ../nbs/13_prepare.ipynb #66180e6f
+def _check_layout(d, m:dict, t): # prepared directory, its manifest, a shard as a pyarrow.Table
+    "`t` if it has the current layout; `PrepareError` that says to re-run prepare if not"
+    v = m.get('schema_version', 1)
+    if v != SCHEMA_VERSION or t.schema.field('messages').type != _SCHEMA.field('messages').type:
+        raise PrepareError(f"{d}: prepared by an older eagle3nb (schema version {v}: messages and tools as JSON text); "
+                           f"run `eagle3nb prepare` for this dataset again to rewrite it as nested records (schema version {SCHEMA_VERSION})")
+    return t
+
 # %% ../nbs/13_prepare.ipynb #644c6465
 def load_prepared(d):
-    "A prepared directory as an HF `Dataset` of flat rows (nested fields as JSON text)"
+    "A prepared directory as an HF `Dataset` of rows in `record_schema` (nested messages and tools)"
     from datasets import Dataset
     m = read_manifest(d)
     if m is None: raise FileNotFoundError(f"{d}: no manifest.json; run `eagle3nb prepare` for this dataset first")
-    t = pa.concat_tables([pq.read_table(Path(d)/s) for s in m['shards']]) if m['shards'] else _SCHEMA.empty_table()
+    ts = [_check_layout(d, m, pq.read_table(Path(d)/s)) for s in m['shards']]
+    t = pa.concat_tables(ts) if ts else _check_layout(d, m, _SCHEMA.empty_table())
     return Dataset(t)  # in memory: no copy into the datasets cache
 
 def conversations(d, n:int=None):

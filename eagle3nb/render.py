@@ -6,9 +6,9 @@
 __all__ = ['EMITTERS', 'BOUNDARY', 'RENDER_VERSION', 'STAT_COLUMNS', 'template_messages', 'chat_text', 'family_tokenizer',
            'RenderError', 'emit_kimi', 'emit_qwen3', 'emit_llama3', 'emit_deepseek', 'emit_glm', 'completion_text',
            'template_turn', 'check_event', 'conversation_events', 'tokenize_events', 'group_events', 'group_sample',
-           'template_sha256', 'render_conversations', 'load_tokenizer', 'tokenizer_sha256', 'features', 'render_batch',
-           'render_stats', 'read_render_manifest', 'render_dataset', 'read_conversations_jsonl', 'render_jsonl',
-           'catalog_rows']
+           'gen_prompt', 'plan_groups', 'tokenize_groups', 'template_sha256', 'render_conversations', 'load_tokenizer',
+           'tokenizer_sha256', 'features', 'render_batch', 'render_stats', 'read_render_manifest', 'render_dataset',
+           'read_conversations_jsonl', 'render_jsonl', 'catalog_rows']
 
 # %% ../nbs/20_render.ipynb #90be0290
 import hashlib, json, shutil, time
@@ -212,18 +212,212 @@ def group_events(evs:list, merge:bool=True)->list:
     return groups
 
 # %% ../nbs/20_render.ipynb #dc20cf3a
-def group_sample(g:list, c:dict, # events of one group; their conversation
-                 template_sha256:str)->dict:
-    "The sample row of event group `g`"
-    ids = g[-1]['prompt_ids'] + g[-1]['completion_ids']
-    spans = [[len(e['prompt_ids']), len(e['prompt_ids']) + len(e['completion_ids'])] for e in g if e['completion_ids']]
+def _sample(c:dict, evs:list, first:int, # conversation; the group's events; the number of its first event
+            ids:list, spans:list, sha:str)->dict:
+    "The sample row of events `evs` with token ids `ids` and supervised `spans`"
     mask = [0] * len(ids)
     for s, t in spans: mask[s:t] = [1] * (t - s)
     cid = c['sample_id']
-    return dict(sample_id=f"{cid}-e{g[0]['event']:02d}", conversation_id=cid, dataset=c.get('dataset') or '', kind=c.get('kind') or 'full',
+    return dict(sample_id=f"{cid}-e{first:02d}", conversation_id=cid, dataset=c.get('dataset') or '', kind=c.get('kind') or 'full',
                 input_ids=ids, loss_mask=mask, spans=spans, prompt_tokens=spans[0][0] if spans else len(ids),
-                completion_tokens=sum(mask), n_events=len(spans), has_think=any(e['think'] for e in g),
-                has_tools=any(e['tools'] for e in g), prompt_only=bool(g[0].get('prompt_only')), template_sha256=template_sha256)
+                completion_tokens=sum(mask), n_events=len(spans), has_think=any(e['think'] for e in evs),
+                has_tools=any(e['tools'] for e in evs), prompt_only=bool(evs[0].get('prompt_only')), template_sha256=sha)
+
+def group_sample(g:list, c:dict, # events of one group; their conversation
+                 template_sha256:str)->dict:
+    "The sample row of event group `g`"
+    spans = [[len(e['prompt_ids']), len(e['prompt_ids']) + len(e['completion_ids'])] for e in g if e['completion_ids']]
+    return _sample(c, g, g[0]['event'], g[-1]['prompt_ids'] + g[-1]['completion_ids'], spans, template_sha256)
+
+# %% ../nbs/20_render.ipynb #66a766cc
+from bisect import bisect_right
+
+_PROBES = dict(user=[dict(role='user', content='x')],
+               tool=[dict(role='user', content='x'), dict(role='assistant', content='', tool_calls=[dict(id='functions.f:0', type='function',
+                     function=dict(name='f', arguments={'a': 1}))]), dict(role='tool', content='y', tool_call_id='functions.f:0', name='f')],
+               assistant=[dict(role='user', content='x'), dict(role='assistant', content='y')])
+_GENS = {}
+
+def gen_prompt(tok, prev:str, # role of the message the prompt ends with: user, tool or assistant
+               thinking:bool=True)->str|None:
+    "The text the generation prompt adds after a `prev` message; None where it is not a plain suffix"
+    k = (id(tok), tok.chat_template, prev, bool(thinking))
+    if k not in _GENS:
+        fam, ms, _GENS[k] = template_family(tok.chat_template), _PROBES.get(prev), None
+        if ms is not None:
+            ms = template_messages(ms, fam, thinking)
+            try: on, off = chat_text(tok, ms, None, thinking), chat_text(tok, ms, None, thinking, add_generation_prompt=False)
+            except Exception: return None
+            if on.startswith(off): _GENS[k] = on[len(off):]
+    return _GENS[k]
+
+# %% ../nbs/20_render.ipynb #addabeab
+_TURN_MARK = dict(kimi='<|im_assistant|>', qwen3='<|im_start|>assistant', llama3='<|start_header_id|>assistant<|end_header_id|>',
+                  glm='<|assistant|>', deepseek='<｜end▁of▁sentence｜>')
+_END = dict(kimi='<|im_end|>', qwen3='<|im_end|>', llama3='<|eot_id|>', deepseek='<｜end▁of▁sentence｜>', glm='<|observation|>')
+
+class _PerEvent(Exception):
+    "This conversation takes the per-event path; the message says why (empty: not counted as a fallback)"
+
+def _event_texts(c:dict, tok, fam:str, thinking:bool)->tuple:
+    "Template-ready messages, tools, assistant turn indices, generation prompts and (completion, think) per event"
+    ms, tools = template_messages(c['messages'], fam, thinking), c.get('tools') or None
+    turns = [i for i, m in enumerate(ms) if m['role'] == 'assistant']
+    if c.get('kind') == 'prompt_only' or not turns: raise _PerEvent('')
+    blob = json.dumps([ms, tools], ensure_ascii=False)
+    if any(t in blob for t in FAMILY_TOKENS[fam] + _EXTRA_TOKENS.get(fam, [])): raise _PerEvent('template tokens in message text')
+    gens = [gen_prompt(tok, ms[i-1]['role'] if i else None, thinking) for i in turns]
+    if None in gens: raise _PerEvent('no plain generation prompt')
+    try: return ms, tools, turns, gens, [EMITTERS[fam](ms[i], g) for i, g in zip(turns, gens)]
+    except RenderError as e: raise _PerEvent(_reason(e)) from None
+
+# %% ../nbs/20_render.ipynb #06ec6952
+def _continues(Pa:str, Pb:str, # prompts of events a and b
+               gens:list, comps:list, # generation prompt and (completion, think) of events a..b
+               mark:str)->list|None:  # the family's `_TURN_MARK`
+    "Prompt ends of events a..b in `Pb`, None where `Pb` does not continue every one of them"
+    if not Pb.startswith(Pa): return None
+    pos, cur = [len(Pa)], len(Pa)
+    for j in range(len(gens) - 1):
+        if j:
+            at = Pb.find(gens[j] + comps[j][0], cur)
+            if at < 0 or Pb.count(mark, cur, at): return None
+            pos.append(at + len(gens[j]))
+        elif not Pb.startswith(comps[0][0], cur): return None
+        cur = pos[-1] + len(comps[j][0])
+    if len(gens) > 1:
+        if Pb.count(mark, cur, len(Pb) - len(gens[-1])): return None
+        pos.append(len(Pb))
+    return pos
+
+# %% ../nbs/20_render.ipynb #56fd8e6d
+def _group(P:str, a:int, b:int, pos:list, comps:list)->dict:
+    "Group of events a..b: the text (prompt of b + its completion), prompt ends, completions"
+    return dict(text=P + comps[b][0], events=list(range(a, b + 1)), ends=pos, comps=[t for t, _ in comps[a:b+1]])
+
+def _whole(Pb:str, ms:list, gens:list, comps:list, mark:str)->list|None:
+    "Prompt ends of every event in the last prompt `Pb`, event 0's found by search; None where not all continue"
+    if any(m['role'] == 'system' for m in ms[next(i for i, m in enumerate(ms) if m['role'] != 'system'):]): return None
+    at = Pb.find(gens[0] + comps[0][0])
+    if at < 0 or Pb.count(mark, 0, at): return None
+    return _continues(Pb[:at + len(gens[0])], Pb, gens, comps, mark)
+
+# %% ../nbs/20_render.ipynb #b2f90500
+def plan_groups(c:dict, tok, fam:str, # conversation; the target's tokenizer; its template family
+                thinking:bool=True)->dict: # groups (text, events, prompt ends, completions), events, renders
+    "The prefix-merge groups of `c` as text, each rendered once; `_PerEvent` where the linear path does not apply"
+    ms, tools, turns, gens, comps = _event_texts(c, tok, fam, thinking)
+    P = {}
+    def prompt(j):
+        if j not in P:
+            try: P[j] = chat_text(tok, ms[:turns[j]], tools, thinking)
+            except Exception as e: raise _PerEvent(_reason(e)) from None
+            if not P[j].endswith(gens[j]): raise _PerEvent('generation prompt differs from its probe')
+        return P[j]
+    ends = lambda a, b: _continues(prompt(a), prompt(b), gens[a:b+1], comps[a:b+1], _TURN_MARK[fam])
+    groups, a, E = [], 0, len(turns)
+    if E > 1 and (r := _whole(prompt(E - 1), ms, gens, comps, _TURN_MARK[fam])): a = E; groups.append(_group(P[E - 1], 0, E - 1, r, comps))
+    while a < E:
+        lo, pos = a, ends(a, a)
+        if a + 1 < E and (r := ends(a, a + 1)):
+            lo, pos, hi = a + 1, r, E
+            if E - 1 > lo:
+                if r := ends(a, E - 1): lo, pos = E - 1, r
+                else: hi = E - 1
+            while hi - lo > 1:
+                if r := ends(a, mid := (lo + hi) // 2): lo, pos = mid, r
+                else: hi = mid
+        groups.append(_group(P[lo], a, lo, pos, comps)); a = lo + 1
+    evs = [dict(event=e, think=k, tools=bool(ms[i].get('tool_calls'))) for e, (i, (_, k)) in enumerate(zip(turns, comps))]
+    return dict(groups=groups, events=evs, renders=len(P))
+
+# %% ../nbs/20_render.ipynb #b025e0e4
+def _enc(tok, texts:list)->list: return tok(texts, add_special_tokens=False)['input_ids'] if texts else []
+
+def _cuts(text:str, end:str)->list:
+    "Offsets that split `text` after each `end` token, with 0 and `len(text)`"
+    out, k = [0], text.find(end)
+    while k >= 0: out.append(k + len(end)); k = text.find(end, k + len(end))
+    return out if out[-1] == len(text) else out + [len(text)]
+
+def _encode_offsets(tok, texts:list)->list:
+    "(ids, offsets) of each text, as `tok(texts, add_special_tokens=False, return_offsets_mapping=True)` gives them"
+    if not texts: return []
+    enc = tok(texts[:1], add_special_tokens=False, return_offsets_mapping=True)  # also sets the backend up as transformers does
+    bk = tok.backend_tokenizer
+    if bk.truncation is not None or bk.padding is not None:  # not the plain case: let transformers do it all
+        enc = tok(texts, add_special_tokens=False, return_offsets_mapping=True); return list(zip(enc['input_ids'], enc['offset_mapping']))
+    return [(e.ids, e.offsets) for e in bk.encode_batch(texts, add_special_tokens=False)]
+
+# %% ../nbs/20_render.ipynb #33b94996
+from itertools import compress, count
+
+def _encode_cut(tok, texts:list, end:str)->list:
+    "(ids, added) per text, encoded in pieces cut after `end`, each distinct piece once; added: (start, end, index) of its added tokens"
+    cuts = [_cuts(t, end) for t in texts]
+    pieces = [t[a:b] for t, cs in zip(texts, cuts) for a, b in zip(cs, cs[1:])]
+    uniq, added = list(dict.fromkeys(pieces)), set(tok.added_tokens_decoder)
+    enc = {p: (ids, [(*offs[k], k) for k in compress(count(), map(added.__contains__, ids))]) for p, (ids, offs) in zip(uniq, _encode_offsets(tok, uniq))}
+    out, k = [], 0
+    for cs in cuts:
+        ids, marks = [], []
+        for a in cs[:-1]:
+            pid, pm = enc[pieces[k]]; k += 1
+            marks += [(s + a, e + a, n + len(ids)) for s, e, n in pm]; ids += pid
+        out.append((ids, marks))
+    return out
+
+# %% ../nbs/20_render.ipynb #4834c611
+def tokenize_groups(tok, gs:list, # groups from `plan_groups`
+                    fam:str):
+    "Add `ids` and per event its token cut `t`, prompt window `loc`, `completion` ids and `whole` (window + completion) to each group"
+    if not gs: return
+    texts = []
+    for g, (ids, marks) in zip(gs, _encode_cut(tok, [g['text'] for g in gs], _END[fam])):
+        ends = [e for _, e, _ in marks]
+        at = {s: n for s, _, n in marks} | {e: n + 1 for _, e, n in marks}  # token index at an added token's start and end
+        g['ids'], g['tok'] = ids, []
+        for e, pe, c in zip(g['events'], g['ends'], g['comps']):
+            i = bisect_right(ends, pe) - 1
+            s, t = (ends[i], marks[i][2] + 1) if i >= 0 else (0, 0)
+            tp, tq, x = at.get(pe), at.get(pe + len(c)), dict(event=e, t=t)
+            if tp is not None and tq is not None: x.update(loc=ids[t:tp], completion=ids[tp:tq])
+            else: x['win'] = len(texts); texts += [g['text'][s:pe], g['text'][s:pe] + c, c]
+            g['tok'].append(x)
+    W = _enc(tok, texts)
+    for x in (x for g in gs for x in g['tok']):
+        if 'win' in x: x.update(loc=W[x['win']], whole=W[x['win'] + 1], completion=W[x['win'] + 2])
+        else: x['whole'] = x['loc'] + x['completion']
+
+# %% ../nbs/20_render.ipynb #35e97d39
+def _token_groups(p:dict)->list|None:
+    "Per group of plan `p`, its events split where the token ids do not continue; None at a token boundary that does not hold"
+    out = []
+    for g in p['groups']:
+        ts = g['tok']
+        if any(x['loc'] + x['completion'] != x['whole'] for x in ts): return None
+        cur = [ts[0]]
+        for d, e in zip(ts, ts[1:]):
+            n = len(d['whole'])  # d's stream = ids[:d.t] + d.whole; e's prompt = ids[:e.t] + e.loc
+            seg = g['ids'][d['t']:d['t'] + n] if e['t'] - d['t'] >= n else g['ids'][d['t']:e['t']] + e['loc']
+            if seg[:n] == d['whole']: cur.append(e)
+            else: out.append((g, cur)); cur = [e]
+        out.append((g, cur))
+    return out
+
+# %% ../nbs/20_render.ipynb #bb9844f1
+def _plan_rows(c:dict, p:dict, sha:str, merge:bool)->list|None:
+    "Sample rows of planned conversation `c`, None where it must take the per-event path"
+    if (tg := _token_groups(p)) is None: return None
+    out = []
+    for g, ts in tg:
+        plen = [x['t'] + len(x['loc']) for x in ts]
+        row = lambda xs, ls: _sample(c, [p['events'][x['event']] for x in xs], xs[0]['event'], g['ids'][:xs[-1]['t']] + xs[-1]['loc'] + xs[-1]['completion'],
+                                     [[l, l + len(x['completion'])] for x, l in zip(xs, ls)], sha)
+        stored = [l + len(x['completion']) for x, l in zip(ts, plen)]
+        if merge: out.append(row(ts, plen) | dict(stored_merged=stored[-1], stored_unmerged=sum(stored))); continue
+        out += [row([x], [l]) | dict(stored_unmerged=s, stored_merged=stored[-1] if k == 0 else 0) for k, (x, l, s) in enumerate(zip(ts, plen, stored))]
+    return out
 
 # %% ../nbs/20_render.ipynb #3b2eb068
 def template_sha256(tok)->str:
@@ -243,13 +437,37 @@ def _rows(c, evs, sha, merge):
         out.append(s)
     return out
 
+def _blocker(tok, fam)->str:
+    "Why `tok` cannot take the linear path at all, '' if it can"
+    if fam not in EMITTERS: return 'template family without an emitter'
+    if not getattr(tok, 'is_fast', False): return 'slow tokenizer (no offsets)'
+    if _END[fam] not in {t.content for t in tok.added_tokens_decoder.values()}: return f'{_END[fam]} is not an added token'
+    return ''
+
+def _plan(c, tok, fam, thinking, blocker:str='')->dict:
+    "`plan_groups` of `c`, or `{'fallback': why}` where the per-event path renders it"
+    if blocker: return dict(fallback=blocker)
+    try: return plan_groups(c, tok, fam, thinking)
+    except _PerEvent as e: return dict(fallback=str(e))
+
+# %% ../nbs/20_render.ipynb #efbed51d
 def render_conversations(convs:list, tok, # canonical conversations; the target's tokenizer
                          thinking:bool=True, merge:bool=True)->list: # per conversation: its reject rows, then its samples
-    "Sample rows and reject rows (with `reject`) for `convs`"
-    per = [conversation_events(c, tok, thinking) for c in convs]
+    "Sample rows and reject rows (with `reject`) for `convs`: one render per group where the template continues, per event elsewhere"
+    fam, sha = template_family(tok.chat_template), template_sha256(tok)
+    why = _blocker(tok, fam)
+    plans = [_plan(c, tok, fam, thinking, why) for c in convs]
+    tokenize_groups(tok, [g for p in plans if 'groups' in p for g in p['groups']], fam)
+    out = {k: r for k, (c, p) in enumerate(zip(convs, plans)) if 'groups' in p and (r := _plan_rows(c, p, sha, merge)) is not None}
+    slow = [k for k in range(len(convs)) if k not in out]
+    per = [conversation_events(convs[k], tok, thinking) for k in slow]
     tokenize_events(tok, [e for evs in per for e in evs])
-    sha = template_sha256(tok)
-    return [r for c, evs in zip(convs, per) for r in _rows(c, evs, sha, merge)]
+    for k, evs in zip(slow, per):
+        out[k], p = _rows(convs[k], evs, sha, merge), plans[k]
+        p.setdefault('fallback', BOUNDARY); p['renders'] = sum('prompt' in e for e in evs)
+    for k, p in enumerate(plans):  # bookkeeping on each conversation's first row: how it was rendered
+        for i, r in enumerate(out[k]): r.update(fallback=p.get('fallback', '') if i == 0 else '', renders=p['renders'] if i == 0 else 0)
+    return [r for k in range(len(convs)) for r in out[k]]
 
 # %% ../nbs/20_render.ipynb #7c0807b5
 RENDER_VERSION = 1
@@ -275,18 +493,19 @@ def tokenizer_sha256(target_dir)->str:
 
 # %% ../nbs/20_render.ipynb #a50509cc
 def features():
-    "Columns of a rendered dataset, plus the bookkeeping ones (`reject`, `stored_*`) dropped before saving"
+    "Columns of a rendered dataset, plus the bookkeeping ones (`reject`, `stored_*`, `fallback`, `renders`) dropped before saving"
     from datasets import Features, Sequence, Value
     s, i, b = Value('string'), Value('int32'), Value('bool')
     return Features(sample_id=s, conversation_id=s, dataset=s, kind=s, input_ids=Sequence(i), loss_mask=Sequence(Value('int8')),
                     spans=Sequence(Sequence(i)), prompt_tokens=i, completion_tokens=i, n_events=i, has_think=b, has_tools=b,
-                    prompt_only=b, template_sha256=s, reject=s, stored_merged=Value('int64'), stored_unmerged=Value('int64'))
+                    prompt_only=b, template_sha256=s, reject=s, stored_merged=Value('int64'), stored_unmerged=Value('int64'),
+                    fallback=s, renders=i)
 
 _EMPTY = dict(input_ids=[], loss_mask=[], spans=[], prompt_tokens=0, completion_tokens=0, n_events=0, has_think=False,
-              has_tools=False, prompt_only=False, template_sha256='', reject='', stored_merged=0, stored_unmerged=0)
+              has_tools=False, prompt_only=False, template_sha256='', reject='', stored_merged=0, stored_unmerged=0, fallback='', renders=0)
 
 def render_batch(batch:dict, target_dir:str, thinking:bool=True, merge:bool=True, trust_remote_code:bool=False)->dict:
-    "`datasets.map(batched=True)` body: prepared rows (JSON-text fields) in, sample and reject rows out"
+    "`datasets.map(batched=True)` body: prepared rows (`schema.record_schema`) in, sample and reject rows out"
     tok = load_tokenizer(target_dir, trust_remote_code)
     convs = [from_record(dict(zip(batch, vs))) for vs in zip(*batch.values())]
     rows = [{**_EMPTY, **r} for r in render_conversations(convs, tok, thinking, merge)]
@@ -294,22 +513,25 @@ def render_batch(batch:dict, target_dir:str, thinking:bool=True, merge:bool=True
 
 # %% ../nbs/20_render.ipynb #8ce798b3
 STAT_COLUMNS = ('reject', 'prompt_only', 'n_events', 'prompt_tokens', 'completion_tokens', 'has_think', 'has_tools',
-                'stored_merged', 'stored_unmerged')
+                'stored_merged', 'stored_unmerged', 'fallback', 'renders')
 
 def render_stats(t, # rendered rows as a `pyarrow.Table` with `STAT_COLUMNS`
                  merge:bool=True)->dict:
-    "Counts, tokens and amplification (stored / supervised tokens, with and without merge) of rendered rows"
+    "Counts, tokens, amplification (stored / supervised tokens, with and without merge) and per-event fallbacks of rendered rows"
     import pyarrow.compute as pc
     n = lambda x: int(pc.sum(x).as_py() or 0)
     rej = pc.not_equal(t['reject'], '')
     ok = pc.invert(rej); po = pc.and_(ok, t['prompt_only']); full = pc.and_(ok, pc.invert(t['prompt_only']))
     tot = lambda k, m=full: n(pc.filter(t[k], m))
     sup, tm, tu = tot('completion_tokens'), tot('stored_merged'), tot('stored_unmerged')
+    fb = pc.not_equal(t['fallback'], '')
     return dict(samples=n(ok), events=tot('n_events'), prompt_only=n(po), rejected=n(rej),
                 reject_reasons=dict(Counter(pc.filter(t['reject'], rej).to_pylist()).most_common()),
                 with_think=tot('has_think'), with_tools=tot('has_tools'),
                 tokens=dict(stored=tm if merge else tu, supervised=sup, merged=tm, unmerged=tu, prompt_only=tot('prompt_tokens', po)),
-                amplification=dict(merged=round(tm / sup, 4) if sup else None, unmerged=round(tu / sup, 4) if sup else None))
+                amplification=dict(merged=round(tm / sup, 4) if sup else None, unmerged=round(tu / sup, 4) if sup else None),
+                fallback=dict(conversations=n(fb), reasons=dict(Counter(pc.filter(t['fallback'], fb).to_pylist()).most_common())),
+                prompt_renders=n(t['renders']))
 
 def _stat_table(rows:list):
     import pyarrow as pa
@@ -354,7 +576,7 @@ def _map_rows(ds, kw:dict, num_proc:int, batch_size:int, work:Path):
 def _save_rows(rows, d:Path, work:Path):
     "Sample rows of `rows` to `d` (`save_to_disk`), reject rows to `d/rejects.jsonl`"
     pick = lambda ok: rows.filter(lambda r: [(x == '') == ok for x in r], input_columns='reject', batched=True, cache_file_name=str(work/f'{ok}.arrow'))
-    good = pick(True).remove_columns(['reject', 'stored_merged', 'stored_unmerged'])
+    good = pick(True).remove_columns(['reject', 'stored_merged', 'stored_unmerged', 'fallback', 'renders'])
     good.save_to_disk(str(d), num_shards=None if len(good) else 1)  # datasets cannot load zero shards back
     bad = pick(False).select_columns(['sample_id', 'conversation_id', 'reject'])
     _write_jsonl(d/'rejects.jsonl', (dict(sample_id=r['sample_id'], conversation_id=r['conversation_id'], reason=r['reject']) for r in bad))
@@ -425,5 +647,5 @@ def catalog_rows(rendered_dir, # a rendered dataset directory (`render_dataset`)
     if prepared_dir is None: return out
     from eagle3nb.prepare import load_prepared
     p = load_prepared(prepared_dir).data.table
-    turns = pa.table(dict(conversation_id=p['sample_id'], n_turns=pa.array([len(json.loads(m)) for m in p['messages'].to_pylist()], pa.int32())))
+    turns = pa.table(dict(conversation_id=p['sample_id'], n_turns=pc.list_value_length(p['messages']).cast(pa.int32())))
     return out.join(turns, 'conversation_id', join_type='left outer').sort_by('sample_id')

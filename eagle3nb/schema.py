@@ -5,13 +5,14 @@
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'KINDS', 'ROLES', 'JSON_FIELDS', 'ADAPTERS', 'Reject', 'sample_id', 'message', 'parse_arguments',
            'tool_call', 'tool_spec', 'split_think', 'kimi_call_id', 'link_tool_calls', 'clean_messages',
-           'check_conversation', 'conversation', 'render_problem', 'to_record', 'from_record', 'adapter']
+           'check_conversation', 'conversation', 'render_problem', 'record_schema', 'to_record', 'from_record',
+           'adapter']
 
 # %% ../nbs/10_schema.ipynb #6e7dd762
 import hashlib, json, re
 
 # %% ../nbs/10_schema.ipynb #28cf592e
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: prepared messages and tools as Arrow lists of structs (1: JSON text)
 KINDS = ('full', 'prompt_only', 'native')
 ROLES = ('system', 'user', 'assistant', 'tool')
 
@@ -171,16 +172,60 @@ def render_problem(c:dict)->str|None: # the reject reason, None when `c` can be 
             if not open_ids or (tid is not None and tid not in open_ids): return 'tool result without its tool call'
             open_ids.remove(tid if tid is not None else open_ids[0])
 
-# %% ../nbs/10_schema.ipynb #eef7a491
-JSON_FIELDS = ('tools', 'messages', 'meta')
+# %% ../nbs/10_schema.ipynb #57046082
+def record_schema():
+    "The Arrow schema of a prepared row: nested `messages` and `tools`, JSON text for arguments, parameters and `meta`"
+    import pyarrow as pa
+    s = pa.string()
+    call = pa.struct([('id', s), ('type', s), ('function', pa.struct([('name', s), ('arguments', s)]))])
+    msg = pa.struct([('role', s), ('content', s), ('reasoning_content', s), ('tool_calls', pa.list_(call)), ('tool_call_id', s), ('name', s)])
+    tool = pa.struct([('type', s), ('function', pa.struct([('name', s), ('description', s), ('parameters', s)])), ('extra', s)])
+    return pa.schema([('sample_id', s), ('dataset', s), ('source_index', pa.int64()), ('kind', s), ('tools', pa.list_(tool)),
+                      ('messages', pa.list_(msg)), ('license', s), ('meta', s)])
 
+# %% ../nbs/10_schema.ipynb #d3ad7d23
+JSON_FIELDS = ('tools', 'messages', 'meta')  # the nested fields (JSON text in schema version 1)
+_FN = ('name', 'description', 'parameters')
+
+def _js_or_none(d:dict)->str|None: return json.dumps(d, ensure_ascii=False) if d else None
+
+def _tool_out(t:dict)->dict:
+    "A tool spec as its Arrow struct: parameters as JSON text, every other key in `extra`"
+    f = t.get('function')
+    keep = {k: v for k, v in (f or {}).items() if k in _FN and (k != 'description' or isinstance(v, str))}
+    fn = None if f is None else dict(name=keep.get('name'), description=keep.get('description'),
+                                     parameters=json.dumps(keep['parameters'], ensure_ascii=False) if 'parameters' in keep else None)
+    extra = dict(spec={k: v for k, v in t.items() if k not in ('type', 'function')}, function={k: v for k, v in (f or {}).items() if k not in keep})
+    return dict(type=t.get('type'), function=fn, extra=_js_or_none({k: v for k, v in extra.items() if v}))
+
+# %% ../nbs/10_schema.ipynb #c2deeed2
+def _tool_in(t:dict)->dict:
+    "A tool spec back from its Arrow struct"
+    extra = json.loads(t['extra']) if t.get('extra') else {}
+    f = t.get('function')
+    if f is not None:
+        f = {k: v for k, v in f.items() if v is not None}
+        if 'parameters' in f: f['parameters'] = json.loads(f['parameters'])
+        f.update(extra.get('function', {}))
+    return {**({'type': t['type']} if t.get('type') is not None else {}), **({'function': f} if f is not None else {}), **extra.get('spec', {})}
+
+def _calls(m:dict, conv)->dict:
+    "Message `m` with each tool call's arguments passed through `conv`"
+    if not m.get('tool_calls'): return m
+    return {**m, 'tool_calls': [{**c, 'function': {**c['function'], 'arguments': conv(c['function']['arguments'])}} for c in m['tool_calls']]}
+
+# %% ../nbs/10_schema.ipynb #eef7a491
 def to_record(c:dict)->dict:
-    "Conversation -> flat row for parquet (JSON text for nested fields)"
-    return {k: json.dumps(v, ensure_ascii=False) if k in JSON_FIELDS else v for k, v in c.items()}
+    "Conversation -> row for parquet (`record_schema`: nested messages and tools, JSON text for arguments and meta)"
+    out = dict(c, messages=[_calls(m, lambda a: json.dumps(a, ensure_ascii=False)) for m in c['messages']],
+               tools=[_tool_out(t) for t in c.get('tools') or []])
+    return {**out, 'meta': json.dumps(c['meta'], ensure_ascii=False)} if 'meta' in c else out
 
 def from_record(r:dict)->dict:
-    "Flat parquet row -> conversation"
-    return {k: json.loads(v) if k in JSON_FIELDS else v for k, v in r.items()}
+    "Parquet row -> conversation; rows whose nested fields are JSON text (schema version 1, JSON Lines input) too"
+    if isinstance(r.get('messages'), str): return {k: json.loads(v) if k in JSON_FIELDS and isinstance(v, str) else v for k, v in r.items()}
+    out = dict(r, messages=[_calls(m, json.loads) for m in r['messages']], tools=[_tool_in(t) for t in r.get('tools') or []])
+    return {**out, 'meta': json.loads(r['meta'])} if isinstance(r.get('meta'), str) else out
 
 # %% ../nbs/10_schema.ipynb #3c866a82
 ADAPTERS = {}

@@ -61,3 +61,51 @@ def test_clear_errors(tmp_path):
     assert p.returncode == 1 and "unknown format 'sharegtp'" in p.stderr and 'Traceback' not in p.stderr
     p = cli('--format', 'alpaca', '--input', tmp_path, '--name', 'x', '--out', tmp_path/'o')
     assert p.returncode == 1 and 'no .json, .jsonl, .parquet or .traj files' in p.stderr
+
+
+def test_prepared_parquet_reads_back_as_nested_records(tmp_path):
+    "datasets, pandas and DuckDB read messages and tools as records; arguments and parameters are JSON text"
+    import duckdb, pandas as pd
+    from datasets import load_dataset
+    m = prepare(FIX/'glaive_toolcall_en_demo.sample.json', 'sharegpt', 'g', tmp_path, progress=False)
+    shards = [str(tmp_path/'g'/s) for s in m['shards']]
+    want = list(conversations(tmp_path/'g'))
+    calls = [(i, j, k) for i, c in enumerate(want) for j, msg in enumerate(c['messages']) for k, _ in enumerate(msg['tool_calls'] or [])]
+    assert calls and want[0]['tools'] and not all(c['tools'] for c in want)
+    ds = load_dataset('parquet', data_files=shards, split='train')
+    assert [r['sample_id'] for r in ds] == [c['sample_id'] for c in want]
+    for i, j, k in calls:
+        tc = ds[i]['messages'][j]['tool_calls'][k]
+        assert isinstance(tc['function']['arguments'], str)
+        assert json.loads(tc['function']['arguments']) == want[i]['messages'][j]['tool_calls'][k]['function']['arguments']
+    assert [[x['role'] for x in r['messages']] for r in ds] == [[x['role'] for x in c['messages']] for c in want]
+    t0 = ds[0]['tools'][0]
+    assert t0['function']['name'] == want[0]['tools'][0]['function']['name'] and json.loads(t0['function']['parameters']) == want[0]['tools'][0]['function']['parameters']
+    df = pd.read_parquet(shards[0])
+    assert [x['content'] for x in df['messages'].iloc[0]] == [x['content'] for x in want[0]['messages']]
+    assert df['tools'].iloc[0][0]['function']['name'] == want[0]['tools'][0]['function']['name']
+    q = duckdb.sql(f"SELECT sample_id, len(messages) AS n, messages[1].role AS first, tools[1].function.name AS tool FROM read_parquet({shards!r}) ORDER BY source_index").fetchall()
+    assert q == [(c['sample_id'], len(c['messages']), c['messages'][0]['role'], c['tools'][0]['function']['name'] if c['tools'] else None) for c in sorted(want, key=lambda c: c['source_index'])]
+    n_calls = duckdb.sql(f"SELECT count(*) FROM (SELECT unnest(m.tool_calls) FROM (SELECT unnest(messages) AS m FROM read_parquet({shards!r})))").fetchall()[0][0]
+    assert n_calls == len(calls)
+
+
+def test_old_layout_says_to_rerun_prepare(tmp_path, monkeypatch):
+    "A directory written with JSON-text messages (schema version 1) is refused by every reader with what to do; prepare rebuilds it"
+    import pyarrow as pa
+    from eagle3nb.prepare import PrepareError, load_prepared
+    from eagle3nb.render import render_dataset
+    from eagle3nb.toy import ensure_toy
+    src = FIX/'llamafactory_reason_tool_use_demo.sample.jsonl'
+    m = prepare(src, 'openai', 'lf', tmp_path, progress=False)
+    d, shard = tmp_path/'lf', tmp_path/'lf'/m['shards'][0]
+    t = pq.read_table(shard)
+    for col in ('messages', 'tools'):  # what schema version 1 wrote: JSON text
+        t = t.set_column(t.schema.get_field_index(col), col, pa.array([json.dumps(x) for x in t[col].to_pylist()]))
+    pq.write_table(t, shard)
+    (d/'manifest.json').write_text(json.dumps({**m, 'schema_version': 1, 'params': {**m['params'], 'schema_version': 1}}))
+    for read in (lambda: load_prepared(d), lambda: list(conversations(d)), lambda: render_dataset(d, ensure_toy('kimi-tiny'), tmp_path/'r', num_proc=1)):
+        try: read(); raise AssertionError('old layout was read')
+        except PrepareError as e: assert 'run `eagle3nb prepare` for this dataset again' in str(e) and 'schema version 1' in str(e)
+    m2 = prepare(src, 'openai', 'lf', tmp_path, progress=False)  # same command: the schema version differs, so it rebuilds
+    assert m2['schema_version'] == 2 and len(list(conversations(d))) == m2['kept'] == 4
