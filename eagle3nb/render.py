@@ -456,7 +456,7 @@ def render_conversations(convs:list, tok, # canonical conversations; the target'
     "Sample rows and reject rows (with `reject`) for `convs`: one render per group where the template continues, per event elsewhere"
     fam, sha = template_family(tok.chat_template), template_sha256(tok)
     why = _blocker(tok, fam)
-    plans = [_plan(c, tok, fam, thinking, why) for c in convs]
+    plans = [dict(fallback='') if c.get('unreadable') or render_problem(c) else _plan(c, tok, fam, thinking, why) for c in convs]  # rejects: the per-event path says why
     tokenize_groups(tok, [g for p in plans if 'groups' in p for g in p['groups']], fam)
     out = {k: r for k, (c, p) in enumerate(zip(convs, plans)) if 'groups' in p and (r := _plan_rows(c, p, sha, merge)) is not None}
     slow = [k for k in range(len(convs)) if k not in out]
