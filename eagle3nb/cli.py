@@ -131,7 +131,7 @@ def _verify(a):
     "eagle3nb verify DRAFT --target T: serve the draft in vLLM; greedy identity, acceptance, offline estimate"
     from eagle3nb.verify import verify_cli
     sys.exit(verify_cli(a.draft, a.target, prompts=a.prompts, recipe=a.recipe, n=a.n, max_tokens=a.max_tokens,
-                        k=a.num_speculative_tokens, json_out=a.json, offline=not a.no_offline, engine=a.vllm))
+                        k=a.num_speculative_tokens, json_out=a.json, offline=False if a.no_offline else None, engine=a.vllm))
 
 def _plan(a):
     "eagle3nb plan RECIPE [--out DIR]: write the next train_plan_vN.md"
