@@ -144,7 +144,7 @@ def _recipe_check(a):
     from eagle3nb.recipe import load_recipe, recipe_dict, RecipeError
     from eagle3nb.runner import check_recipe
     r = load_recipe(a.recipe)
-    if ps := check_recipe(r): raise RecipeError(f"{a.recipe}: " + '; '.join(ps))
+    if ps := check_recipe(r, local=not a.elsewhere): raise RecipeError(f"{a.recipe}: " + '; '.join(ps))
     print(yaml.safe_dump(recipe_dict(r), sort_keys=False), end='')
 
 # %% ../nbs/99_cli.ipynb #d620a11f
@@ -229,6 +229,7 @@ def parser()->argparse.ArgumentParser:
     pl.add_argument('recipe'); pl.add_argument('--out', help='folder of the plans (default plans/<recipe name>/)')
     rc = sub.add_parser('recipe', help='recipe tools').add_subparsers(dest='recipe_verb', required=True, metavar='ACTION')
     c = rc.add_parser('check', help='validate a recipe and print it resolved'); c.set_defaults(fn=_recipe_check); c.add_argument('recipe')
+    c.add_argument('--elsewhere', action='store_true', help='a recipe for another machine: check schema, formats and phase parameters, not its paths')
     return p
 
 # %% ../nbs/99_cli.ipynb #0d9fee94

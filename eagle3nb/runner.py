@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['RESERVED', 'HEADLINES', 'repo_root', 'phase_notebooks', 'phase_key', 'select_phases', 'check_phase_params',
            'check_recipe', 'load_state', 'save_state', 'set_aside', 'PhaseFailed', 'execute_phase', 'headline',
-           'summary_table', 'markdown_table', 'run']
+           'summary_table', 'markdown_table']
 
 # %% ../nbs/98_runner.ipynb #c5a40c06
 import datetime, json, os, sys, time
@@ -75,28 +75,29 @@ def _data_root_problem(d:Path)->str|None:
     a = next(p for p in d.parents if p.exists())
     if not a.is_dir() or not os.access(a, os.W_OK): return f"data_root: {d} cannot be made: {a} is {'a file' if not a.is_dir() else 'not writable'}"
 
-def _dataset_problems(r:Recipe)->list:
+def _dataset_problems(r:Recipe, paths:bool=True)->list:
     from eagle3nb.schema import ADAPTERS
     from eagle3nb import adapters, agent_adapters  # registers every format
     fmts = ', '.join(sorted(k for k in ADAPTERS if not k.startswith('_')))
     return [p for i, d in enumerate(r.datasets) for p in (
         None if d.format in ADAPTERS else f"datasets[{i}].format: unknown format {d.format!r}; formats: {fmts}",
-        None if Path(d.path).exists() else f"datasets[{i}].path: {d.path} does not exist; give a local file or folder") if p]
+        None if not paths or Path(d.path).exists() else f"datasets[{i}].path: {d.path} does not exist; give a local file or folder") if p]
 
 # %% ../nbs/98_runner.ipynb #efaf2f22
 def check_recipe(r:Recipe,              # a resolved recipe (`load_recipe`)
                  root=None,             # repository root (its nbs/phases)
                  datasets:bool=True,    # check formats and dataset paths too
+                 local:bool=True,       # paths must exist here: datasets, data_root, target (False: a recipe for another machine)
                 )->list:                # problems, one line each, naming the key; empty when all is well
     "What can be checked in a recipe without running anything"
-    ps = _dataset_problems(r) if datasets else []
+    ps = _dataset_problems(r, paths=local) if datasets else []
     by = {phase_key(s): nb for s, nb in phase_notebooks(repo_root(root)/'nbs'/'phases').items()}
     for k, params in r.phases.items():
         if k not in by: ps.append(f"phases.{k}: not a phase; phases: {', '.join(by)}"); continue
         try: check_phase_params(by[k], params)
         except RecipeError as e: ps.append(str(e))
-    ps.append(_data_root_problem(Path(r.data_root)))
-    if not r.target.toy:
+    if local: ps.append(_data_root_problem(Path(r.data_root)))
+    if local and not r.target.toy:
         try: model_dir(r.target.model, 'target.model')
         except FileNotFoundError as e: ps.append(str(e))
     return [p for p in ps if p]
@@ -205,7 +206,7 @@ def run(recipe,            # recipe YAML path
         except ValueError as e: raise RecipeError(f"{e}; it names the folder papermill_runs/<run_id>/") from None
     nbs = phase_notebooks(root/'nbs'/'phases'); sel = select_phases(nbs, phases)
     for s in sel: check_phase_params(nbs[s], r.phases.get(phase_key(s), {}))
-    if ps := check_recipe(r, root, datasets=any(phase_key(s) == 'prepare' for s in sel)): raise RecipeError(f"{recipe}: " + '; '.join(ps))
+    if ps := check_recipe(r, root, datasets=any(phase_key(s) == 'prepare' for s in sel), local=any(phase_key(s) != 'plan' for s in sel)):  # a plan needs no data here raise RecipeError(f"{recipe}: " + '; '.join(ps))
     run_id = run_id or f"{r.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     run_dir = root/'papermill_runs'/run_id; run_dir.mkdir(parents=True, exist_ok=True)
     state = load_state(run_dir); state.update(run_id=run_id, recipe_source=str(Path(recipe).resolve()), catalog=r.catalog)

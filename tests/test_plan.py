@@ -84,7 +84,8 @@ def test_kimi_recipe_checks():
     from eagle3nb.cli import main
     r = load_recipe(KIMI)
     assert sum(d.count for d in r.datasets) == 100_000 and r.target.aux_layers == [2, 30, 58]
-    main(['recipe', 'check', str(KIMI)])
+    main(['recipe', 'check', str(KIMI), '--elsewhere'])  # its data and model live on the cluster, not here
+    with pytest.raises(SystemExit): main(['recipe', 'check', str(KIMI)])  # here, the paths are missing: said, exit 1
     nbs = {phase_key(s): p for s, p in phase_notebooks(ROOT/'nbs'/'phases').items()}
     for key, params in r.phases.items():
         assert key in nbs, f'phases.{key}: no notebook nbs/phases/NN_{key}.ipynb'
