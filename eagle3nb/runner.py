@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['RESERVED', 'HEADLINES', 'repo_root', 'phase_notebooks', 'phase_key', 'select_phases', 'check_phase_params',
            'check_recipe', 'load_state', 'save_state', 'set_aside', 'PhaseFailed', 'execute_phase', 'headline',
-           'summary_table', 'markdown_table']
+           'summary_table', 'markdown_table', 'run']
 
 # %% ../nbs/98_runner.ipynb #c5a40c06
 import datetime, json, os, sys, time
@@ -206,7 +206,8 @@ def run(recipe,            # recipe YAML path
         except ValueError as e: raise RecipeError(f"{e}; it names the folder papermill_runs/<run_id>/") from None
     nbs = phase_notebooks(root/'nbs'/'phases'); sel = select_phases(nbs, phases)
     for s in sel: check_phase_params(nbs[s], r.phases.get(phase_key(s), {}))
-    if ps := check_recipe(r, root, datasets=any(phase_key(s) == 'prepare' for s in sel), local=any(phase_key(s) != 'plan' for s in sel)):  # a plan needs no data here raise RecipeError(f"{recipe}: " + '; '.join(ps))
+    # a plan needs no data on this machine; prepare needs the datasets
+    if ps := check_recipe(r, root, datasets=any(phase_key(s) == 'prepare' for s in sel), local=any(phase_key(s) != 'plan' for s in sel)): raise RecipeError(f"{recipe}: " + '; '.join(ps))
     run_id = run_id or f"{r.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     run_dir = root/'papermill_runs'/run_id; run_dir.mkdir(parents=True, exist_ok=True)
     state = load_state(run_dir); state.update(run_id=run_id, recipe_source=str(Path(recipe).resolve()), catalog=r.catalog)
