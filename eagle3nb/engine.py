@@ -306,6 +306,8 @@ def _is_mla(target_dir)->bool:
 # %% ../nbs/05_engine.ipynb #9080fb2f
 def serve_engine(model_dir, port:int=8000, host:str='127.0.0.1', speculative:dict=None, **kw)->int:
     "Serve `model_dir` with vLLM in the foreground until Ctrl-C (`eagle3nb serve DIR --engine vllm`)"
+    def _stop(*_): raise KeyboardInterrupt  # SIGTERM (a job scheduler, `kill`) stops the engine as Ctrl-C does
+    signal.signal(signal.SIGTERM, _stop)
     srv = VllmServer(model_dir, port, host, speculative=speculative, log_path='-', **kw).start()
     try:
         srv.wait_ready()
