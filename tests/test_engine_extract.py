@@ -178,3 +178,24 @@ def test_kimi_mla_cli_local_launch_equals_hf(tmp_path, capsys):
     # layer 6, measured), the engine and HF pick different experts, and that token (and later ones attending to it at
     # layer 7) get another `final`: 4 of 923 tokens here; every aux layer is before those ties
     assert d['final_tokens_beyond'] <= 0.01 * d['tokens']
+
+
+def test_bad_spool_file_asked_again_and_too_long_sample_named(qwen3):
+    "A spool file that does not match its sample is dropped and the sample requested again; an engine refusal names the sample"
+    from safetensors.torch import save_file
+    from eagle3nb.engine_extract import EngineExtractError
+    tmp, ts = qwen3['tmp']/'bad', qwen3['ts']
+    r = recipe_for(tmp, 'qwen3-tiny', endpoints=[qwen3['srv'].base_url])
+    r.phases = dict(extract=dict(spool=str(qwen3['spool'])))
+    corpus(Path(r.data_root), ts['vocab_size'], 3, 10, 20, seed=3)
+    stale = qwen3['spool']/spool_name('x3-0001')  # a killed run's file for the wrong tokens (2 instead of 10-20)
+    save_file(dict(hidden_states=torch.zeros(2, 4, ts['hidden_size']), token_ids=torch.tensor([1, 2])), str(stale))
+    rows = extract_recipe_engine(r, modes='bf16', splits='train', progress=False, log=lambda *a: None)
+    assert rows[0]['new_samples'] == 3 and not stale.exists()
+    store = Path(r.data_root)/'hidden'/'bf16'/'train'
+    assert not validate(store, corpus=load_from_disk(str(Path(r.data_root)/'corpus'/'train')))['problems']
+    long = recipe_for(tmp/'long', 'qwen3-tiny', endpoints=[qwen3['srv'].base_url])
+    long.phases = r.phases
+    corpus(Path(long.data_root), ts['vocab_size'], 1, 2100, 2100, seed=4)  # the server's --max-model-len is 2048
+    with pytest.raises(EngineExtractError, match=r'sample x4-0000: .*HTTP 400'):
+        extract_recipe_engine(long, modes='bf16', splits='train', progress=False, log=lambda *a: None)
