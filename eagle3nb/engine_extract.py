@@ -306,7 +306,8 @@ def engine_session(r:Recipe, layer_ids:list, spool:str='', max_len:int=2048, dty
     spool = Path(spool or Path(r.data_root)/'hidden'/'.engine'/'spool'); spool.mkdir(parents=True, exist_ok=True)
     py = vllm_python()
     srv = extract_server(r.target.model, spool, layer_ids, max_model_len=max(2048, max_len + 8),
-                         dtype=dtype or ('float32' if engine_info(py)['cpu'] else 'auto'), python=py)
+                         dtype=dtype or ('float32' if engine_info(py)['cpu'] else 'auto'), python=py,
+                         log_path=spool.parent/'server.log')  # kept with the data: the record of the engine's run
     with srv:
         log(f'vLLM extraction server ready in {srv.ready_s:.0f} s ({srv.base_url}, spool {spool}, log {srv.log_path})')
         yield [srv.base_url], srv.model, spool, True
