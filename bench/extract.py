@@ -1,6 +1,13 @@
 """Extraction throughput: eagle3nb.extract vs the bare forward pass it wraps, and bytes/token per storage mode vs 8H.
 
     python bench/extract.py [--n 48] [--repeat 2] [--targets kimi-tiny qwen3-tiny qwen3-h512] [--max-pad 0]
+    python bench/extract.py --engine vllm [--n 48] [--targets qwen3-tiny] [--concurrency 8]
+
+--engine vllm: on each toy target, the same samples three ways, in one run: the engine's plain prefill (a vLLM server
+without extraction, one `max_tokens: 1` request per sample at --concurrency, nothing kept), the engine path
+(`engine_extract.extract_engine` against a vLLM server with `extract_hidden_states` and the hidden-states connector:
+requests, spool files, repack, shards) and our HF path (`extract.extract`, float32 like the engine's CPU server).
+tok/s by wall clock; `vs prefill` = plain prefill time / that path's time; B/tok = shard bytes / tokens.
 
 Same samples, same length-bucketed batches (`extract.length_batches`, same token budget and max_pad), one process:
   bare      the target's decoder over each batch (`model.get_decoder()(input_ids, attention_mask)`), no hooks, nothing
@@ -105,6 +112,48 @@ def width_check(H=7168, n=6, topk=64):
     return tokens, out
 
 
+def prefill(srv, rows, concurrency):
+    "One `max_tokens: 1` request per sample, token ids in, nothing kept: the engine's own floor"
+    import httpx
+    from concurrent.futures import ThreadPoolExecutor
+    with httpx.Client(timeout=600) as c, ThreadPoolExecutor(concurrency) as ex:
+        body = lambda r: dict(model=srv.model, prompt=r['input_ids'], max_tokens=1, temperature=0)
+        for resp in ex.map(lambda r: c.post(srv.base_url + '/completions', json=body(r)), rows): resp.raise_for_status()
+
+
+def engine_run(name, n, concurrency, topk):
+    "Plain vLLM prefill vs extraction through vLLM vs the HF path, same samples, one run"
+    from transformers import AutoConfig
+    from eagle3nb.engine import VllmServer
+    from eagle3nb.engine_extract import EngineClient, extract_engine, extract_server
+    from eagle3nb.recipe import default_aux_layers
+    target = ensure_toy(name); cfg = AutoConfig.from_pretrained(target).get_text_config()
+    H, V, N = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
+    rows, aux = samples(n, min(V, 3000)), default_aux_layers(N)
+    tokens = sum(len(r['input_ids']) for r in rows)
+    tids = torch.arange(0, V, 4); d2t = tids - torch.arange(len(tids))
+    tmp, res = Path(tempfile.mkdtemp(prefix='e3nb-bench-eng-')), {}
+    with VllmServer(target) as srv:
+        prefill(srv, rows[:4], concurrency)  # warm up
+        res['vllm prefill'] = (timed(prefill, srv, rows, concurrency)[0], None)
+    with extract_server(target, tmp/'spool', aux + [N]) as srv:
+        client = EngineClient([srv.base_url], srv.model, tmp/'spool', concurrency=concurrency)
+        extract_engine(client, rows[:4], tmp/'warm', target, aux, 'bf16', concurrency=concurrency, own_spool=True, progress=False)
+        for mode in ('bf16', 'compact'):
+            t = timed(extract_engine, client, rows, tmp/f'vllm-{mode}', target, aux, mode, d2t if mode == 'compact' else None, topk,
+                      concurrency, own_spool=True, progress=False)[0]
+            res[f'vllm extract {mode}'] = (t, sum(f.stat().st_size for f in shard_files(tmp/f'vllm-{mode}')))
+    m = load_target(target, dtype=torch.float32)
+    extract(m, rows[:4], tmp/'warm-hf', aux_layers=aux)
+    for mode in ('bf16', 'compact'):
+        t = timed(extract, m, rows, tmp/f'hf-{mode}', aux_layers=aux, mode=mode, d2t=d2t if mode == 'compact' else None, topk=topk)[0]
+        res[f'hf extract {mode}'] = (t, sum(f.stat().st_size for f in shard_files(tmp/f'hf-{mode}')))
+    shutil.rmtree(tmp, ignore_errors=True)
+    base = res['vllm prefill'][0]
+    return [dict(target=name, H=H, path=k, tokens=tokens, seconds=t, tok_s=tokens / t, vs_prefill=base / t, bpt=b / tokens if b else None)
+            for k, (t, b) in res.items()]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument('--n', type=int, default=48); ap.add_argument('--repeat', type=int, default=5)
@@ -112,7 +161,15 @@ def main():
     ap.add_argument('--token-budget', type=int, default=16384); ap.add_argument('--max-pad', type=float, default=0.0)
     ap.add_argument('--topk', type=int, default=64)
     ap.add_argument('--no-width-check', action='store_true', help='skip the bytes/token measurement at H=7168')
+    ap.add_argument('--engine', choices=['vllm']); ap.add_argument('--concurrency', type=int, default=8)
     a = ap.parse_args()
+    if a.engine:
+        print(f"{'target':11} {'path':20} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'vs prefill':>10} {'B/tok':>8}")
+        for t in (a.targets if a.targets != ap.get_default('targets') else ['qwen3-tiny']):
+            for r in engine_run(t, a.n, a.concurrency, a.topk):
+                print(f"{r['target']:11} {r['path']:20} {r['tokens']:7d} {r['seconds']:8.2f} {r['tok_s']:8,.0f} {r['vs_prefill']:9.2f}x "
+                      + (f"{r['bpt']:8.1f}" if r['bpt'] else ''), flush=True)
+        return
     print(f"{'target':12} {'H':>5} {'mode':8} {'tokens':>7} {'tok/s':>9} {'vs bare':>8} {'(CPU)':>7} {'B/tok':>8} {'plan':>7} {'8H':>6} {'B/tok / 8H':>10}")
     for t in a.targets:
         for r in run(t, a.n, a.repeat, a.token_budget, a.max_pad, a.topk):

@@ -91,8 +91,16 @@ def _vocab(a):
 
 def _extract(a):
     "eagle3nb extract RECIPE: hidden states of the target's aux layers for the corpus (torchrun splits it over ranks)"
+    from eagle3nb.recipe import load_recipe
+    if a.concurrency is not None and a.concurrency < 1: raise ValueError(f"--concurrency {a.concurrency}: give a positive integer")
+    r = load_recipe(a.recipe)
+    engine = a.engine or r.phases.get('extract', {}).get('engine', 'hf')
+    if engine not in ('hf', 'vllm'): raise ValueError(f"phases.extract.engine {engine!r}: use hf or vllm")
+    if engine == 'vllm':
+        from eagle3nb.engine_extract import extract_recipe_engine
+        return extract_recipe_engine(r, modes=a.modes, splits=a.splits, concurrency=a.concurrency, spool=a.spool or '')
     from eagle3nb.extract import extract_recipe
-    extract_recipe(a.recipe, modes=a.modes, splits=a.splits, device_map=a.device_map or '', token_budget=a.token_budget)
+    extract_recipe(r, modes=a.modes, splits=a.splits, device_map=a.device_map or '', token_budget=a.token_budget)
 
 def _export(a):
     "eagle3nb export CHECKPOINT --out DIR [--target TARGET_DIR] [--data DATA_ROOT]: a checkpoint SGLang and vLLM load as EAGLE3"
@@ -194,6 +202,9 @@ def parser()->argparse.ArgumentParser:
     ex.add_argument('--splits', default='train,eval', help='corpus splits')
     ex.add_argument('--device-map', help='where the target goes: cuda:0, auto (one copy over all visible GPUs); default cuda:LOCAL_RANK, else cpu')
     ex.add_argument('--token-budget', type=int, default=16384, help='tokens per forward (batch size x longest sample)')
+    ex.add_argument('--engine', choices=['hf', 'vllm'], help='hf: the target in this process; vllm: a vLLM server (target.endpoints, else launched here); default phases.extract.engine or hf')
+    ex.add_argument('--concurrency', type=int, help='--engine vllm: requests in flight (default phases.extract.concurrency or 8)')
+    ex.add_argument('--spool', help="--engine vllm with endpoints: the engine connector's output folder (default phases.extract.spool)")
     xp = sub.add_parser('export', help='write an engine-ready EAGLE3 draft (config.json + bf16 model.safetensors)'); xp.set_defaults(fn=_export)
     xp.add_argument('checkpoint', help='a training checkpoint folder, e.g. checkpoints/step_1000')
     xp.add_argument('--out', required=True); xp.add_argument('--target', help="the target model directory (default: the checkpoint's run recipe's)")

@@ -6,11 +6,10 @@
 __all__ = ['GEN_DEFAULTS', 'FINISHED', 'CAPS_LADDER', 'STATE_OF', 'gen_params', 'gen_dir', 'ShardWriter', 'read_shards',
            'finished_ids', 'Job', 'prompt_ids_of', 'budget', 'chat_history', 'partitions_of', 'load_jobs',
            'fail_record', 'ok_record', 'raw_body', 'chat_body', 'Retryable', 'Permanent', 'check_response',
-           'backoff_delay', 'EndpointPool', 'post_json', 'ClientPool', 'read_response', 'LeanHTTP', 'with_retries',
-           'probe_caps', 'Run', 'prompt_text', 'do_job', 'replay', 'regenerate_turns', 'run_partition', 'latest',
-           'sync_catalog', 'run_jobs', 'run_sync', 'summary', 'generate', 'default_length', 'FakeTarget',
-           'http_response', 'write_prompts', 'demo_recipe', 'generate_recipe', 'main', 'records_df', 'plot_run',
-           'completion_ids', 'completed_samples']
+           'backoff_delay', 'EndpointPool', 'post_json', 'ClientPool', 'with_retries', 'probe_caps', 'Run',
+           'prompt_text', 'do_job', 'replay', 'regenerate_turns', 'run_partition', 'latest', 'sync_catalog', 'run_jobs',
+           'run_sync', 'summary', 'generate', 'default_length', 'FakeTarget', 'http_response', 'write_prompts',
+           'demo_recipe', 'generate_recipe', 'main', 'records_df', 'plot_run', 'completion_ids', 'completed_samples']
 
 # %% ../nbs/30_generate.ipynb #c4876484
 import asyncio, json, os, random, socket, sys, threading, time
@@ -36,7 +35,6 @@ GEN_DEFAULTS = dict(
     max_retries=8,           # retries of one request on 429, 5xx, timeouts, resets and bad bodies
     backoff=0.5, backoff_max=30.0,  # first retry delay and cap (seconds), doubled per retry, jittered
     sync_every=2.0,          # seconds between catalog state updates
-    http='lean',             # HTTP client: 'lean' (our minimal HTTP/1.1 client, ~7x less CPU per request) or 'httpx' (honours proxy env vars)
 )
 
 def gen_params(r=None, **kw)->dict:
@@ -48,7 +46,6 @@ def gen_params(r=None, **kw)->dict:
     if p['on_length'] not in ('keep', 'drop'): raise ValueError(f"on_length {p['on_length']!r}: use 'keep' or 'drop'")
     if p['turns'] not in ('last', 'each'): raise ValueError(f"turns {p['turns']!r}: use 'last' or 'each'")
     if p['turns'] == 'each' and p['mode'] != 'chat': raise ValueError("turns='each' needs mode='chat' (the server renders the regenerated history)")
-    if p['http'] not in ('httpx', 'lean'): raise ValueError(f"http {p['http']!r}: use 'httpx' or 'lean'")
     return p
 
 # %% ../nbs/30_generate.ipynb #2f991c27
@@ -286,59 +283,7 @@ class ClientPool:
     async def aclose(self):
         for c in self.all: await c.aclose()
 
-# %% ../nbs/30_generate.ipynb #d6e45949
-async def read_response(r:asyncio.StreamReader)->tuple:
-    "(status, headers, body text) of one HTTP/1.1 response"
-    line = await r.readline()
-    if not line: raise ConnectionError('connection closed before the status line')
-    status, headers = int(line.split(None, 2)[1]), {}
-    while (h := await r.readline()) not in (b'\r\n', b'\n'):
-        if not h: raise ConnectionError('connection closed in the headers')
-        k, v = h.decode('latin-1').split(':', 1); headers[k.strip().lower()] = v.strip()
-    if 'content-length' in headers: body = await r.readexactly(int(headers['content-length']))
-    elif headers.get('transfer-encoding', '').lower() == 'chunked':
-        parts = []
-        while (n := int((await r.readline()).split(b';')[0], 16)): parts.append(await r.readexactly(n)); await r.readline()
-        await r.readline(); body = b''.join(parts)
-    else: body = await r.read(); headers['connection'] = 'close'
-    return status, headers, body.decode('utf-8', 'replace')
-
 # %% ../nbs/30_generate.ipynb #17455df8
-class LeanHTTP:
-    "Minimal keep-alive HTTP/1.1 JSON client over asyncio streams, with `ClientPool.post`'s contract"
-    def __init__(self, timeout:float, headers:dict=None):
-        self.timeout, self.idle = timeout, defaultdict(list)
-        self.extra = ''.join(f'{k}: {v}\r\n' for k, v in (headers or {}).items())
-    async def _conn(self, key):
-        while self.idle[key]:
-            r, w = self.idle[key].pop()
-            if not r.at_eof() and not w.is_closing(): return r, w
-            w.close()
-        return await asyncio.open_connection(key[0], key[1], ssl=key[2] or None)
-    async def post(self, url:str, body:dict)->dict:
-        from urllib.parse import urlsplit
-        u = urlsplit(url); tls = u.scheme == 'https'; key = (u.hostname, u.port or (443 if tls else 80), tls)
-        data = json.dumps(body).encode(); w = None
-        head = f'POST {u.path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n{self.extra}\r\n'
-        try:
-            async with asyncio.timeout(self.timeout):
-                r, w = await self._conn(key)
-                w.write(head.encode() + data)
-                status, headers, text = await read_response(r)
-        except TimeoutError:
-            if w: w.close()
-            raise Retryable('timeout', f'no answer within {self.timeout} s') from None
-        except (OSError, asyncio.IncompleteReadError, ValueError, IndexError) as e:
-            if w: w.close()
-            raise Retryable('connection', f'{type(e).__name__}: {e}') from None
-        if headers.get('connection', '').lower() == 'close': w.close()
-        else: self.idle[key].append((r, w))
-        return check_response(status, text, headers)
-    async def aclose(self):
-        for conns in self.idle.values():
-            for _, w in conns: w.close()
-        self.idle.clear()
-
 async def with_retries(f, p:dict, stats:Counter):
     "Await `f()` until it succeeds, fails for good, or runs out of retries; returns (json, attempts)"
     for attempt in range(1, p['max_retries'] + 2):
@@ -365,7 +310,7 @@ async def probe_caps(run, url:str, j:Job)->dict:
 @dataclass
 class Run:
     "The state of one generate run"
-    clients:object  # a `ClientPool` or a `LeanHTTP`
+    clients:ClientPool  # httpx clients
     pool:EndpointPool; model:str; p:dict; writer:ShardWriter
     thinking:bool=True; tok:object=None  # tokenizer, or a function that loads it (text prompts only)
     stats:Counter=field(default_factory=Counter); pending:list=field(default_factory=list); marks:dict=field(default_factory=dict)
@@ -509,7 +454,7 @@ async def run_jobs(jobs:list, urls:list, model:str, p:dict, writer:ShardWriter,
                    thinking:bool=True, tok=None, api_key:str='EMPTY', progress:bool=True)->Run:
     "Run `jobs` against `urls`: every job ends as one record in the shards"
     auth = dict(Authorization=f'Bearer {api_key}')
-    clients = LeanHTTP(p['timeout'], auth) if p.get('http') == 'lean' else ClientPool(p['timeout'], auth, len(urls))
+    clients = ClientPool(p['timeout'], auth, len(urls))
     try:
         run = Run(clients, EndpointPool(urls), model, p, writer, thinking, tok); run.stats['_t0'] = time.time()
         if jobs and p['mode'] == 'raw':

@@ -32,6 +32,7 @@ class PlanParams:
     gen_tok_s: float = _a(5_000.0, 'aggregate output tokens/s of the generation fleet (all endpoints together)')
     extract_tok_s: float = _a(10_000.0, 'target forward tokens/s per node')
     extract_nodes: int = _a(1, 'nodes extracting at once')
+    extract_engine_tok_s: float = _a(15_000.0, 'tokens/s of one TP-8 vLLM node with extract_hidden_states (extract --engine vllm)')
     gpus_per_target: int = _a(1, 'GPUs one copy of the target spans (1: a rank per GPU; 8: device_map auto over a node)')
     train_tok_s: float = _a(20_000.0, 'draft training tokens/s per GPU')
     gpus: int = _a(8, 'training GPUs, all nodes together')
@@ -223,7 +224,8 @@ def _hidden(r:Recipe, p:PlanParams, dims:dict, tokens:int, samples:int)->dict:
 def _times(r:Recipe, p:PlanParams, hid:dict)->tuple: # extract, train dicts
     n_modes = len(hid['planned'])
     ext = dict(tokens=hid['tokens'] * n_modes, modes=hid['planned'], nodes=p.extract_nodes,
-               seconds=hid['tokens'] * n_modes / (p.extract_tok_s * p.extract_nodes))
+               seconds=hid['tokens'] * n_modes / (p.extract_tok_s * p.extract_nodes),
+               engine_seconds=hid['tokens'] * n_modes / (p.extract_engine_tok_s * p.extract_nodes))
     tr = phase_params(r, 'train'); ef = phase_params(r, 'merge')['eval_fraction']
     toks, samples = hid['tokens'] * (1 - ef), int(hid['samples'] * (1 - ef))
     per_step = tr['batch_size'] * p.gpus
@@ -330,7 +332,7 @@ def _extract_cmds(f:dict, run)->list:
         lines += [f"# one target copy per {p['gpus_per_target']} GPUs (device_map auto), {p['extract_nodes']} node(s); "
                   'data root on a file system every node shares:',
                   f"{_torchrun(p['extract_nodes'], per_node)} --no-python {cli}"]
-    return [('extract', f"aux hidden states -> hidden/{{{modes}}}/ (torchrun ranks write their own shards)", lines)]
+    return [('extract', f"aux hidden states -> hidden/{{{modes}}}/ (torchrun ranks write their own shards)", lines + _engine_cmds(f, modes))]
 
 def _train_cmds(f:dict, run)->list:
     p, R, RUN, t = f['params'], _q(f['recipe_path']), f['run_id'], f['train']
@@ -341,6 +343,20 @@ def _train_cmds(f:dict, run)->list:
         lines += [f"# DDP over {p['gpus']} GPUs, max_steps for {fmt_n(p['epochs'])} epochs; checkpoints in papermill_runs/{RUN}/checkpoints/:",
                   f"{_torchrun(nodes, per)} --no-python bash -c '{nb}'"]
     return [('train', 'TTT training of the draft; resumes from the last checkpoint', lines)]
+
+def _engine_cmds(f:dict, modes:str)->list:
+    "Extraction through vLLM at TP 8: serve the target with extract_hidden_states and the connector, then one request per sample"
+    from eagle3nb.engine_extract import extract_spec, extract_kv_config
+    t, p, e = f['target'], f['params'], f['extract']
+    spool = f"{f['data_root']}/hidden/.engine/spool"
+    ctx = max([v['ctx'] for v in f['generation']['partitions'].values()], default=0)  # the longest sample a partition holds
+    spec, kv = extract_spec(list(t['aux_layers']) + [t['num_hidden_layers']]), extract_kv_config(spool, cpu=False)
+    return [f"# or through the engine, for a target no HF forward holds (Kimi-K2.5: TP 8; add --trust-remote-code): "
+            f"~{fmt_secs(e['engine_seconds'])} at {fmt_n(p['extract_engine_tok_s'])} tok/s per node",
+            f"vllm serve {_q(t['model_dir'] or t['model'])} --tensor-parallel-size 8 --no-enable-chunked-prefill "
+            + (f"--max-model-len {ctx + 8} " if ctx else '') + f"--speculative-config {_q(json.dumps(spec))} --kv-transfer-config {_q(json.dumps(kv))}",
+            f"eagle3nb extract {_q(f['recipe_path'])} --engine vllm --modes {modes} --concurrency 64 --spool {_q(spool)}"
+            "   # target.endpoints: that server (http://HOST:8000/v1); the spool on a file system both see"]
 
 # %% ../nbs/90_plan.ipynb #0ac247ac
 def commands(r:Recipe, f:dict)->list: # (phase, what it does, command lines); '#' lines are comments
@@ -403,6 +419,7 @@ def summary(f:dict)->dict:
         s[f'disk, {m}' + (' (planned)' if v['planned'] else '')] = (f"{fmt_bytes(v['bytes'])} ({fmt_n(v['bytes_per_token'])} B/token): "
                                                                    f"{fit} in {fmt_bytes(h['free_bytes'])} free at {h['free_at']}")
     s['extraction'] = f"~{fmt_secs(e['seconds'])}: {fmt_n(e['tokens'])} forward tokens ({'+'.join(e['modes'])}) on {e['nodes']} node(s) at {fmt_n(p['extract_tok_s'])} tok/s"
+    s['extraction through vLLM'] = f"~{fmt_secs(e['engine_seconds'])} at {fmt_n(p['extract_engine_tok_s'])} tok/s per TP-8 node (`--engine vllm`)"
     s['training'] = (f"~{fmt_secs(tr['seconds'])}: {fmt_n(tr['epochs'])} epochs of {fmt_n(tr['train_tokens'])} tokens on {tr['gpus']} GPUs "
                      f"at {fmt_n(p['train_tok_s'])} tok/s each; max_steps {fmt_n(tr['steps_for_epochs'])} for that "
                      f"(the recipe's {fmt_n(tr['max_steps'])} make {fmt_n(tr['epochs_of_max_steps'])} epochs)")
@@ -477,6 +494,15 @@ def _sec_cost(f:dict)->list:
             '## Extraction',
             f"One forward per mode over every stored token: {fmt_n(e['tokens'])} tokens on {e['nodes']} node(s) at "
             f"{fmt_n(p['extract_tok_s'])} tok/s per node: **{fmt_secs(e['seconds'])}**.",
+            f"Through the engine (`eagle3nb extract RECIPE --engine vllm` against `vllm serve` at TP 8 with the "
+            f"`extract_hidden_states` speculative method and the hidden-states connector, the commands below): one prefill "
+            f"request per sample, **{fmt_secs(e['engine_seconds'])}** at an assumed {fmt_n(p['extract_engine_tok_s'])} tok/s per node. "
+            "The assumption, not a measurement: Kimi-K2.5 has 32B active parameters, ~64 GFLOP per prefill token; eight "
+            "H200s at 40% of their 989 dense bf16 TFLOP/s bound a node near 50k tok/s, and we take 30% of that for INT4 experts, "
+            f"long-context attention and the connector's writes. The spool then takes {len(f['target']['aux_layers']) + 1} x H x 2 B "
+            f"= {fmt_bytes((len(f['target']['aux_layers']) + 1) * f['target']['hidden_size'] * 2)} per token "
+            f"({fmt_bytes((len(f['target']['aux_layers']) + 1) * f['target']['hidden_size'] * 2 * p['extract_engine_tok_s'])}/s written "
+            "and read back at that rate), deleted as each shard lands.",
             '## Training',
             f"{fmt_n(t['train_tokens'])} train tokens ({fmt_n(t['train_samples'])} samples; eval_fraction {t['eval_fraction']}) x "
             f"{fmt_n(t['epochs'])} epochs / ({fmt_n(p['train_tok_s'])} tok/s x {t['gpus']} GPUs): **{fmt_secs(t['seconds'])}**. "

@@ -33,7 +33,7 @@ def toy_run(toy_server, kimi_tiny, tmp_path_factory):
     r = demo_recipe(tmp, kimi_tiny, [('alpaca', 'alpaca', FIXTURE), ('syn', 'openai', write_prompts(tmp/'p.jsonl', 6, long_every=3, long_words=120))],
                     [toy_server.base_url], toy_server.model, max_ctx=160, long_ctx=1024, max_new_tokens=12, c_main=3, c_long=1)
     raw = generate(r, progress=False)
-    chat = generate(r, progress=False, mode='chat', out=tmp/'chat', http='httpx')  # raw used the default lean client: both meet the real server
+    chat = generate(r, progress=False, mode='chat', out=tmp/'chat')
     return r, raw, chat, tmp/'chat'
 
 
@@ -188,11 +188,10 @@ def _prompts(path, n):
     return path
 
 
-@pytest.mark.parametrize('http', ['httpx', 'lean'])
-def test_fault_proxy_nothing_lost_every_failure_accounted(kimi_tiny, tmp_path, http):
+def test_fault_proxy_nothing_lost_every_failure_accounted(kimi_tiny, tmp_path):
     with FakeTarget(flavor='hf', latency=0.005) as ft, FaultProxy(ft.base_url) as px:
         r = demo_recipe(tmp_path, kimi_tiny, [('syn', 'openai', _prompts(tmp_path/'p.jsonl', 40))], [px.base_url], 'fake', c_main=6)
-        kw = dict(progress=False, timeout=0.5, backoff=0.01, backoff_max=0.05, max_retries=10, http=http)
+        kw = dict(progress=False, timeout=0.5, backoff=0.01, backoff_max=0.05, max_retries=10)
         s = generate(r, **kw)
         out, want = gen_dir(r.data_root), wanted(r)
         assert s['jobs'] == 40 and s['ok'] == 38 and s['failed'] == 2
