@@ -37,7 +37,7 @@ def engine_aux_ids(aux_layers)->dict: # {'vllm': [...], 'sglang': [...]}
 # %% ../nbs/70_export.ipynb #b6dd3dc7
 FLAGS = ('fc_norm', 'norm_before_fc', 'norm_output')
 MLA_KEYS = ('q_lora_rank', 'kv_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim')
-ARCH_NAMES = dict(llama=('LlamaForCausalLMEagle3', 'llama'), mla=('Eagle3DeepseekV2ForCausalLM', 'deepseek_v3'))
+ARCH_NAMES = dict(llama=('LlamaForCausalLMEagle3', 'llama'), mla=('Eagle3DeepseekV2ForCausalLM', 'deepseek_v2'))
 
 def export_config(dc:dict,       # the checkpoint's DraftConfig dict
                   aux_layers,    # input-of-layer aux ids
