@@ -280,6 +280,10 @@ def _gpu_note(hd:int)->str:
 def check_head_dim(x:DraftExport)->list:
     "The draft's attention head size is one the engines' kernels support, and the weights have it"
     n, c = 'head_dim', x.config
+    if c.get('kv_lora_rank'):  # an MLA draft: the latent, not a head size, picks the kernel
+        w = c['kv_lora_rank'] + (c.get('qk_rope_head_dim') or 0)
+        if w != 576: return [finding(n, 'FAIL', f"MLA draft with kv_lora_rank + qk_rope_head_dim = {w}: vLLM's CPU MLA decode runs only 576 (512 + 64, DeepSeek-V3's and Kimi's sizes); on GPUs check that the MLA backend runs it. Retrain with arch mla on the target's own sizes.")]
+        return [finding(n, 'ok', f"MLA draft: latent {c['kv_lora_rank']} + rope {c['qk_rope_head_dim']} = 576, what vLLM's MLA decode kernels (CPU_MLA here) run.")]
     nh, nkv = c.get('num_attention_heads'), c.get('num_key_value_heads') or c.get('num_attention_heads')
     hd = c.get('head_dim') or (c.get('hidden_size', 0) // nh if nh else None)
     if not hd: return [finding(n, 'FAIL', "config.json has neither head_dim nor num_attention_heads: the engine cannot size the draft's attention. Re-export.")]
