@@ -135,3 +135,20 @@ def test_verify_mla_kimi(tmp_path):
     assert 'Resolved architecture: Eagle3DeepseekV2ForCausalLM' in log
     assert 'MLA is enabled on a non-GPU platform' in log  # the engine kept MLA: VLLM_MLA_DISABLE was not set
     _served_as_trained(r, df, tmp_path/'spec.log')
+
+
+def test_phase_train_takes_draft_block(tmp_path):
+    "phases.train.draft reaches the train phase: a smoke run with {arch: mla, fc_norm: true} checkpoints that draft"
+    import papermill as pm
+    from safetensors import safe_open
+    nb = Path(__file__).parents[1]/'nbs'/'phases'/'60_train.ipynb'
+    pm.execute_notebook(str(nb), str(tmp_path/'60_train.ipynb'), cwd=str(nb.parent), progress_bar=False,
+                        parameters=dict(run_dir=str(tmp_path/'run'), max_steps=4, ckpt_every=4, eval_every=4, ttt_steps=2,
+                                        draft={'arch': 'mla', 'fc_norm': True}))
+    with safe_open(str(tmp_path/'run'/'checkpoints'/'step_4'/'model.safetensors'), 'pt') as f:
+        dc, names = json.loads(f.metadata()['draft_config']), set(f.keys())
+    assert (dc['arch'], dc['fc_norm'], dc['kv_lora_rank'], dc['rope_scaling']['rope_type']) == ('mla', True, 512, 'yarn')
+    assert 'midlayer.self_attn.kv_a_proj_with_mqa.weight' in names and 'fc_norm.2.weight' in names
+    with pytest.raises(pm.PapermillExecutionError, match='phases.train.draft.norm: unknown'):
+        pm.execute_notebook(str(nb), str(tmp_path/'bad.ipynb'), cwd=str(nb.parent), progress_bar=False,
+                            parameters=dict(run_dir=str(tmp_path/'run2'), max_steps=2, draft={'norm': True}))
