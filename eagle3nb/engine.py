@@ -271,12 +271,12 @@ def verify_served(target_dir,                 # target model folder
                   max_tokens:int=64,          # generated tokens per prompt
                   k:int=3,                    # num_speculative_tokens
                   baseline:VllmServer=None,   # a running server of the target alone; None: start one here
-                  mla_disable:bool=None,      # None: on for an MLA target on the CPU build (Llama drafts are MHA)
+                  mla_disable:bool=None,      # None: on for an MLA target with a Llama (MHA) draft on the CPU build
                   log_dir=None,               # copy the servers' logs here
                   **kw)->dict:                # more `VllmServer` arguments
     "Serve `draft_dir` as an EAGLE-3 draft of `target_dir` in vLLM; greedy identity and acceptance"
     py = Path(kw.pop('python', None) or vllm_python())
-    if mla_disable is None: mla_disable = engine_info(py)['cpu'] and _is_mla(target_dir)
+    if mla_disable is None: mla_disable = engine_info(py)['cpu'] and _is_mla(target_dir) and not _is_mla(draft_dir)  # an MLA draft keeps MLA
     own = baseline is None
     base = baseline or VllmServer(target_dir, python=py, mla_disable=mla_disable, **kw).start()
     spec = VllmServer(target_dir, python=py, speculative=_spec_config(draft_dir, k), mla_disable=mla_disable, **kw).start()

@@ -94,11 +94,12 @@ class TTT(nn.Module):
     def forward(self, b:dict)->list:
         m, T = self.draft, b['ids'].shape[1]
         pos = torch.arange(T, device=b['ids'].device)
-        h, ks, vs, out = m.fc(b['aux'].to(m.fc.weight.dtype)), [], [], []
+        h, ks, vs, out = m.fuse(b['aux']), [], [], []
         for i in range(self.k):
             past = (torch.cat(ks, 2), torch.cat(vs, 2)) if ks else None  # (B, nkv, iT, hd) each
             h, (kk, vv) = m.step(shift(b['ids'], 1 + i), h, pos + i, ttt_mask(b['valid'], i, self.rule), past)
-            ks.append(kk); vs.append(vv); out.append(m.logits(h))
+            z, h = m.emit(h)  # with norm_output the post-norm state goes on
+            ks.append(kk); vs.append(vv); out.append(z)
         return out
 
 # %% ../nbs/61_train.ipynb #dff94ee8

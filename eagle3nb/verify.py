@@ -70,6 +70,7 @@ def load_draft(draft_dir, target_dir, checkpoint:bool=True)->tuple: # Eagle3Draf
     else:
         cfg = json.loads((d/'config.json').read_text())
         dc = {f.name: cfg[f.name] for f in fields(DraftConfig) if f.name in cfg}; src = 'export'
+        dc['arch'] = 'mla' if any('Deepseek' in a for a in cfg.get('architectures') or []) else 'llama'
         sd = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(d/'model.safetensors')).items()}
     c = DraftConfig(**{k: v for k, v in dc.items() if k in {f.name for f in fields(DraftConfig)}})
     m = Eagle3Draft(c, target_tensors(target_dir)['embed'].float())

@@ -154,7 +154,7 @@ def test_lm_head_copy_of_target_rows(good, kimi_tiny, tmp_path):
 def test_broken_export_never_raises(good, kimi_tiny, tmp_path):
     d = copy_of(good, tmp_path); (d/'config.json').write_text('{not json'); (d/'model.safetensors').unlink()
     df = doctor(d, kimi_tiny, server_args='no such file').set_index('check')
-    assert (df.status == 'FAIL').sum() == 8 and 'cannot read' in df.detail['fc_width'] and 'neither a file' in df.detail['speculative_algorithm']
+    assert (df.status == 'FAIL').sum() == 10 and 'cannot read' in df.detail['fc_width'] and 'cannot read' in df.detail['draft_variant'] and 'neither a file' in df.detail['speculative_algorithm']
     assert doctor_cli(d, kimi_tiny, engine=False) == 1
 
 
