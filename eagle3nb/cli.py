@@ -42,9 +42,11 @@ def _run(a):
     run(a.recipe, run_id=a.run_id, phases=a.phases.split(',') if a.phases else None, serve=not a.no_serve)
 
 def _toy_build(a):
-    "eagle3nb toy build NAME --out DIR: build an offline tiny target"
-    from eagle3nb.toy import ensure_toy, build_toy
-    out = build_toy(a.name, a.out, force=True) if a.force else ensure_toy(a.name, a.out)
+    "eagle3nb toy build NAME [--trained] [--out DIR]: build an offline tiny target (default: into the toy cache)"
+    from eagle3nb.toy import ensure_toy, build_toy, toy_dir
+    name = f'{a.name}-trained' if a.trained and not a.name.endswith('-trained') else a.name
+    out = a.out or toy_dir(name)
+    out = build_toy(name, out, force=True) if a.force else ensure_toy(name, out)
     print(out)
 
 def _toy_list(a):
@@ -158,6 +160,7 @@ def _recipe_check(a):
 # %% ../nbs/99_cli.ipynb #d620a11f
 def parser()->argparse.ArgumentParser:
     "The `eagle3nb` argument parser"
+    from eagle3nb.toy import TOYS  # reads specs only: instant
     p = argparse.ArgumentParser(prog='eagle3nb', description='Train EAGLE-3 draft models: one recipe from raw datasets to a served draft.')
     sub = p.add_subparsers(dest='verb', required=True, metavar='VERB')
     r = sub.add_parser('run', help='run a recipe\'s phase notebooks with papermill'); r.set_defaults(fn=_run)
@@ -167,7 +170,8 @@ def parser()->argparse.ArgumentParser:
     r.add_argument('--no-serve', action='store_true', help='never launch a local server for the target')
     t = sub.add_parser('toy', help='offline tiny targets').add_subparsers(dest='toy_verb', required=True, metavar='ACTION')
     b = t.add_parser('build', help='build a toy target directory'); b.set_defaults(fn=_toy_build)
-    b.add_argument('name', choices=['kimi-tiny', 'qwen3-tiny'], help='which toy target'); b.add_argument('--out', required=True, help='model directory to write')
+    b.add_argument('name', choices=list(TOYS), help='which toy target'); b.add_argument('--out', help='model directory to write (default: the toy cache, $EAGLE3NB_CACHE/toys/NAME)')
+    b.add_argument('--trained', action='store_true', help='the trained variant (NAME-trained): the toy briefly trained on text shipped with Python (minutes, once)')
     b.add_argument('--force', action='store_true', help='rebuild even when a complete build is there')
     t.add_parser('list', help='list toy targets').set_defaults(fn=_toy_list)
     s = sub.add_parser('serve', help='serve a model directory (OpenAI-compatible) in the foreground'); s.set_defaults(fn=_serve)

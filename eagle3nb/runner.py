@@ -162,7 +162,8 @@ HEADLINES = {  # phase key -> (json file in the run folder, its one-line result)
                     ('plumbing check, same server: ' if j['plumbing_check'] else '') + ', '.join(
                         f"C={x['concurrency']} {x['out_tok_s']:.0f} tok/s, speedup {x['speedup']:.2f}" for x in j['rows'] if x['endpoint'] == 'speculative')),
     'verify': ('verify', lambda j: f"nothing to verify: {j['skipped']}" if j.get('skipped') else
-               f"vLLM served accept length {j['accept_length']:.2f} (offline {j['offline_accept_length']:.2f}), greedy {j['greedy_identical']}/{j['n_prompts']} identical"),
+               f"vLLM served accept length {j['accept_length']:.2f} (offline {j['offline_accept_length']:.2f}), greedy {j['greedy_identical']}/{j['n_prompts']} identical"
+               + (f", {j['distinct_tokens']}/{j['total_tokens']} distinct tokens" if j.get('total_tokens') else '')),
     'plan': ('plan', lambda j: j['path']),
 }
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eagle3nb.toy import TOYS, SAMPLE_TOOLS, build_toy, ensure_toy, sample_chat, special_tokens
+from eagle3nb.toy import TOYS, BASE_TOYS, SAMPLE_TOOLS, build_toy, ensure_toy, sample_chat, special_tokens
 
 ENV = {**os.environ, 'OMP_NUM_THREADS': '1', 'HF_HUB_OFFLINE': '1', 'TOKENIZERS_PARALLELISM': 'false'}
 
@@ -17,7 +17,7 @@ def build_in_subprocess(name, out):
     code = f"from eagle3nb.toy import build_toy; print(build_toy({name!r}, {str(out)!r}))"
     return subprocess.run([sys.executable, '-c', code], env=ENV, capture_output=True, text=True, timeout=120)
 
-@pytest.mark.parametrize('name', list(TOYS))
+@pytest.mark.parametrize('name', BASE_TOYS)
 def test_same_bytes_across_processes(tmp_path, name):
     "Two fresh processes (different hash seeds) build byte-identical directories"
     for d in ('a', 'b'):
@@ -33,7 +33,7 @@ def test_concurrent_builds_agree(tmp_path):
     assert json.loads((tmp_path/'q'/'eagle3nb_toy.json').read_text())['name'] == 'qwen3-tiny'
     assert [p.name for p in tmp_path.iterdir()] == ['q']  # no temp or old folders left
 
-@pytest.mark.parametrize('name', list(TOYS))
+@pytest.mark.parametrize('name', BASE_TOYS)
 def test_loads_renders_and_generates(tmp_path, name):
     "The directory loads with the Auto classes, renders the sample chat and generates"
     d = ensure_toy(name, tmp_path/name)
@@ -48,7 +48,7 @@ def test_loads_renders_and_generates(tmp_path, name):
     y2 = m.generate(**x, max_new_tokens=8, do_sample=False)
     assert torch.equal(y, y2)  # greedy is deterministic
 
-@pytest.mark.parametrize('name', list(TOYS))
+@pytest.mark.parametrize('name', BASE_TOYS)
 def test_10k_context_forward(tmp_path, name):
     "A 10K-token forward pass (the project's context length) gives finite logits and all hidden states"
     d = ensure_toy(name, tmp_path/name)
