@@ -2,6 +2,7 @@
 import json, os, subprocess, sys, uuid, shutil
 from pathlib import Path
 import pytest, yaml
+from eagle3nb.toy import toy_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 EAGLE3NB = str(Path(sys.executable).parent/'eagle3nb')
@@ -15,10 +16,10 @@ def run_id():
 
 
 def test_demo_end_to_end(tmp_path, run_id):
-    "recipes/demo.yaml with its data, catalog and toy target moved to a temp dir; all else as shipped"
+    "recipes/demo.yaml with its data and catalog moved to a temp dir, its trained toy from the toy cache; all else as shipped"
     r = yaml.safe_load((ROOT/'recipes'/'demo.yaml').read_text())
     r.update(data_root=str(tmp_path/'data'), catalog=str(tmp_path/'catalog.duckdb'))
-    r['target']['model'] = str(tmp_path/'kimi-tiny')
+    r['target']['model'] = str(toy_dir(r['target']['toy']))  # built once per machine (minutes), as 02_toy's test builds it
     (tmp_path/'demo.yaml').write_text(yaml.safe_dump(r))
     p = subprocess.run([EAGLE3NB, 'run', str(tmp_path/'demo.yaml'), '--run-id', run_id], cwd=ROOT, capture_output=True, text=True,
                        timeout=900, env={**os.environ, 'OMP_NUM_THREADS': '1'})
