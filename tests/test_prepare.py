@@ -40,7 +40,7 @@ def test_every_demo_dataset_accounts_for_every_record(tmp_path):
     import yaml
     r = yaml.safe_load((ROOT/'recipes'/'demo.yaml').read_text())
     for ds in r['datasets']:
-        m = prepare(ROOT/ds['path'], ds['format'], ds['name'], tmp_path, progress=False)
+        m = prepare(ROOT/ds['path'], ds['format'], ds['name'], tmp_path, kind=ds.get('kind'), progress=False)
         assert m['kept'] + m['rejected'] == m['read'] > 0, (ds['name'], m)
         ids = [c['sample_id'] for c in conversations(tmp_path/ds['name'])]
         assert len(ids) == len(set(ids)) == m['kept']
