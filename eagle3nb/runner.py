@@ -160,7 +160,8 @@ HEADLINES = {  # phase key -> (json file in the run folder, its one-line result)
                                    f"FAILED: {'; '.join(p['check'] for p in j['problems'])}"),
     'serve_bench': ('serve_bench', lambda j: f"nothing to bench: {j['skipped']}" if j.get('skipped') else
                     ('plumbing check, same server: ' if j['plumbing_check'] else '') + ', '.join(
-                        f"C={x['concurrency']} {x['out_tok_s']:.0f} tok/s, speedup {x['speedup']:.2f}" for x in j['rows'] if x['endpoint'] == 'speculative')),
+                        f"C={x['concurrency']} {x['out_tok_s']:.0f} tok/s, speedup {x['speedup']:.2f}" + (f", accept length {x['accept_len']:.2f}" if x.get('accept_len') else '')
+                        for x in j['rows'] if x['endpoint'] == 'speculative') + (' (vLLM; CPU toy tok/s is no guide to GPU speed-up)' if j.get('engine') == 'vllm' else '')),
     'verify': ('verify', lambda j: f"nothing to verify: {j['skipped']}" if j.get('skipped') else
                f"vLLM served accept length {j['accept_length']:.2f} (offline {j['offline_accept_length']:.2f}), greedy {j['greedy_identical']}/{j['n_prompts']} identical"
                + (f", {j['distinct_tokens']}/{j['total_tokens']} distinct tokens" if j.get('total_tokens') else '')),
