@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['ENGINE_VAR', 'SILENT_SIGNS', 'EngineNotFound', 'vllm_python', 'engine_available', 'engine_info', 'vllm_command',
            'engine_env', 'EngineError', 'VllmServer', 'root_cause', 'parse_counters', 'spec_counters', 'counter_delta',
-           'complete_ids', 'verify_served', 'serve_engine']
+           'vllm_version', 'complete_ids', 'verify_served', 'mla_disable_for', 'serve_engine']
 
 # %% ../nbs/05_engine.ipynb #c4683b49
 import json, os, re, shutil, signal, subprocess, tempfile, time, urllib.request, urllib.error
@@ -235,6 +235,15 @@ def counter_delta(a:dict, b:dict)->dict:
                 accept_length=1 + d['accepted'] / d['drafts'] if d['drafts'] else None,
                 rate_per_position=[x / d['drafts'] for x in pp] if d['drafts'] else [])
 
+# %% ../nbs/05_engine.ipynb #fe3591d8
+def vllm_version(base_url:str, timeout:float=5.0)->str|None:
+    "The vLLM version the server at `base_url` reports (`GET /version`); None when it is not a vLLM server or does not answer"
+    root = base_url.rstrip('/').removesuffix('/v1')
+    try:
+        with urllib.request.urlopen(root + '/version', timeout=timeout) as r: v = json.loads(r.read().decode())
+    except (OSError, ValueError): return None
+    return v.get('version') if isinstance(v, dict) else None
+
 # %% ../nbs/05_engine.ipynb #14a189a2
 def complete_ids(base_url:str, model:str, prompts:list, max_tokens:int=64, concurrency:int=4)->list: # token ids per prompt
     "Greedy (temperature 0) completions of token-id prompts; the generated ids of each"
@@ -276,7 +285,7 @@ def verify_served(target_dir,                 # target model folder
                   **kw)->dict:                # more `VllmServer` arguments
     "Serve `draft_dir` as an EAGLE-3 draft of `target_dir` in vLLM; greedy identity and acceptance"
     py = Path(kw.pop('python', None) or vllm_python())
-    if mla_disable is None: mla_disable = engine_info(py)['cpu'] and _is_mla(target_dir) and not _is_mla(draft_dir)  # an MLA draft keeps MLA
+    if mla_disable is None: mla_disable = mla_disable_for(target_dir, draft_dir, py)
     own = baseline is None
     base = baseline or VllmServer(target_dir, python=py, mla_disable=mla_disable, **kw).start()
     spec = VllmServer(target_dir, python=py, speculative=_spec_config(draft_dir, k), mla_disable=mla_disable, **kw).start()
@@ -302,6 +311,10 @@ def _is_mla(target_dir)->bool:
     c = json.loads((Path(target_dir)/'config.json').read_text())
     c = c.get('text_config', c)
     return bool(c.get('kv_lora_rank'))
+
+def mla_disable_for(target_dir, draft_dir, python=None)->bool:
+    "Does serving `draft_dir` beside `target_dir` need VLLM_MLA_DISABLE=1? On the CPU build, an MLA target with a Llama (MHA) draft"
+    return engine_info(vllm_python(python))['cpu'] and _is_mla(target_dir) and not _is_mla(draft_dir)
 
 # %% ../nbs/05_engine.ipynb #9080fb2f
 def serve_engine(model_dir, port:int=8000, host:str='127.0.0.1', speculative:dict=None, **kw)->int:

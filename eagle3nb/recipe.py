@@ -10,6 +10,7 @@ __all__ = ['MARKER', 'RecipeError', 'one_name', 'Target', 'Dataset', 'Recipe', '
 # %% ../nbs/00_recipe.ipynb #55149d0a
 import hashlib, json, os
 from pathlib import Path
+from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
@@ -39,6 +40,7 @@ class Target(_Strict):
     api_key_env: str|None = None    # name of the environment variable holding the endpoints' API key
     thinking: bool = True           # render prompts with thinking on (`thinking` / `enable_thinking`)
     aux_layers: list[int]|None = None  # input-of-layer ids (vLLM convention); default [2, N//2, N-3]
+    engine: Literal['vllm', 'transformers']|None = None  # who serves the target when no endpoints are listed; None: vLLM when installed, else transformers
 
     @model_validator(mode='after')
     def _model_or_toy(self):

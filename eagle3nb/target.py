@@ -103,6 +103,7 @@ def verdict(rows:list):
 def target_session(r:Recipe,     # resolved recipe
                    log_dir=None, # the server log goes here (default: a temp dir)
                    serve=True,   # launch a local server when the recipe lists no endpoints
+                   server=None,  # the local server's class, called (model_dir, log_path=...); default `LocalServer`
                   ):
     "Yield `r` completed with a built toy target and a live local endpoint where needed"
     r = r.model_copy(deep=True)
@@ -111,6 +112,6 @@ def target_session(r:Recipe,     # resolved recipe
         r.target.model = str(ensure_toy(r.target.toy, r.target.model))
     if r.target.endpoints or not serve: yield r; return
     from eagle3nb.server import LocalServer
-    with LocalServer(r.target.model, log_path=Path(log_dir)/'server.log' if log_dir else None) as srv:
+    with (server or LocalServer)(r.target.model, log_path=Path(log_dir)/'server.log' if log_dir else None) as srv:
         r.target.endpoints, r.target.served_name = [srv.base_url], r.target.served_name or srv.model
         yield r

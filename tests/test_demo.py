@@ -44,3 +44,16 @@ def test_demo_end_to_end(tmp_path, run_id):
     table = last[-len(phases):]
     assert [l.split()[0] for l in table] == phases and all(l.split()[1] == 'completed' for l in table), '\n'.join(last[-20:])
     assert 'all checks passed' in p.stdout and (rd/'summary.md').exists()
+    # the target was served by vLLM (the engine is installed here), and nothing of it is left running
+    assert 'serving the target locally with vLLM' in p.stderr and 'vllm' in (rd/'server.log').read_text().lower()
+    assert subprocess.run(['pgrep', '-f', f"api_server --model {Path(r['target']['model']).resolve()}"], capture_output=True).returncode == 1
+    # the goal: vLLM accepts the demo's draft on held-out prompts, served accept length >= 2 within 10% of the offline estimate
+    v = json.loads((rd/'verify.json').read_text())
+    assert v['loaded'] and v['greedy_identical'] == v['n_prompts'] == 8, v
+    assert v['accept_length'] >= 2.0 and abs(v['accept_length'] - v['offline_accept_length']) <= 0.1 * v['offline_accept_length'], v
+    assert v['distinct_tokens'] / v['total_tokens'] > 0.15, v  # not a 1-2 token loop
+    # serve-bench measured the same draft in vLLM on verify's prompts, the run's server as its baseline, and agrees with verify
+    sb = json.loads((rd/'serve_bench.json').read_text())
+    assert sb['engine'] == 'vllm' and sb['baseline_reused'] and not sb['plumbing_check'] and sb['agreement']['same_prompts'], sb.get('agreement')
+    assert sb['agreement']['max_gap'] <= 0.05 * v['accept_length'], sb['agreement']
+    assert 'no guide to GPU speed-up' in sb['note']

@@ -38,7 +38,8 @@ def test_run_builds_toy_serves_checks_and_resumes(tmp_path, run_id):
     "A toy recipe with no endpoints: the runner builds the toy, serves it, the check passes, the server stops, a rerun skips"
     secret = 'sk-e3nb-' + uuid.uuid4().hex
     model = tmp_path/'kimi-tiny'  # built by the runner itself
-    r = recipe(tmp_path, toy='kimi-tiny', model=str(model), api_key_env='E3NB_TEST_KEY')
+    # transformers serve (the default without an engine); the demo test runs the same with vLLM serving the target
+    r = recipe(tmp_path, toy='kimi-tiny', model=str(model), api_key_env='E3NB_TEST_KEY', engine='transformers')
     p = eagle3nb('run', r, '--run-id', run_id, env={'E3NB_TEST_KEY': secret})
     assert p.returncode == 0, p.stderr[-3000:]
     rd = ROOT/'papermill_runs'/run_id
