@@ -361,24 +361,46 @@ def _cuts(text:str, end:str)->list:
     while k >= 0: out.append(k + len(end)); k = text.find(end, k + len(end))
     return out if out[-1] == len(text) else out + [len(text)]
 
-def _encode_offsets(tok, texts:list)->list:
-    "(ids, offsets) of each text, as `tok(texts, add_special_tokens=False, return_offsets_mapping=True)` gives them"
+def _encode_offsets(tok, texts:list, offsets:bool=True)->list:
+    "(ids, offsets) of each text, as `tok(texts, add_special_tokens=False, return_offsets_mapping=True)` gives them; offsets None if not `offsets`"
     if not texts: return []
     enc = tok(texts[:1], add_special_tokens=False, return_offsets_mapping=True)  # also sets the backend up as transformers does
     bk = tok.backend_tokenizer
     if bk.truncation is not None or bk.padding is not None:  # not the plain case: let transformers do it all
         enc = tok(texts, add_special_tokens=False, return_offsets_mapping=True); return list(zip(enc['input_ids'], enc['offset_mapping']))
+    if not offsets: return [(e.ids, None) for e in bk.encode_batch_fast(texts, add_special_tokens=False)]
     return [(e.ids, e.offsets) for e in bk.encode_batch(texts, add_special_tokens=False)]
 
 # %% ../nbs/20_render.ipynb #33b94996
+import re
 from itertools import compress, count
+
+def _added_search(tok):
+    "(regex over `tok`'s added tokens, longest first; token -> id) where the tokenizer splits them out as it finds them, else None"
+    at = tok.added_tokens_decoder
+    if not at or any(a.lstrip or a.rstrip or a.single_word or a.normalized for a in at.values()): return None
+    ids = {a.content: i for i, a in at.items()}
+    return re.compile('|'.join(map(re.escape, sorted(ids, key=len, reverse=True)))), ids
+
+def _encode_added(tok, texts:list)->list:
+    "(ids, added) per text: its ids and (start, end, index) of each added token in it"
+    added, found = set(tok.added_tokens_decoder), _added_search(tok)
+    if texts and found and getattr(tok.backend_tokenizer, 'encode_batch_fast', None):
+        rx, idof = found
+        encs, out = _encode_offsets(tok, texts, offsets=False), []
+        for t, (ids, _) in zip(texts, encs):
+            ms, ks = [(m.start(), m.end(), m.group()) for m in rx.finditer(t)], list(compress(count(), map(added.__contains__, ids)))
+            if len(ms) != len(ks) or any(ids[k] != idof[m] for k, (_, _, m) in zip(ks, ms)): break
+            out.append((ids, [(a, b, k) for (a, b, _), k in zip(ms, ks)]))
+        else: return out
+    return [(ids, [(*offs[k], k) for k in compress(count(), map(added.__contains__, ids))]) for ids, offs in _encode_offsets(tok, texts)]
 
 def _encode_cut(tok, texts:list, end:str)->list:
     "(ids, added) per text, encoded in pieces cut after `end`, each distinct piece once; added: (start, end, index) of its added tokens"
     cuts = [_cuts(t, end) for t in texts]
     pieces = [t[a:b] for t, cs in zip(texts, cuts) for a, b in zip(cs, cs[1:])]
-    uniq, added = list(dict.fromkeys(pieces)), set(tok.added_tokens_decoder)
-    enc = {p: (ids, [(*offs[k], k) for k in compress(count(), map(added.__contains__, ids))]) for p, (ids, offs) in zip(uniq, _encode_offsets(tok, uniq))}
+    uniq = list(dict.fromkeys(pieces))
+    enc = dict(zip(uniq, _encode_added(tok, uniq)))
     out, k = [], 0
     for cs in cuts:
         ids, marks = [], []
