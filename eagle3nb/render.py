@@ -494,9 +494,24 @@ def _plan(c, tok, fam, thinking, blocker:str='')->dict:
     except _PerEvent as e: return dict(fallback=str(e))
 
 # %% ../nbs/20_render.ipynb #efbed51d
+import gc
+from contextlib import contextmanager
+
+@contextmanager
+def _gc_paused():
+    "The cyclic garbage collector off for the block, back on after it if it was on"
+    on = gc.isenabled(); gc.disable()
+    try: yield
+    finally:
+        if on: gc.enable()
+
+# %% ../nbs/20_render.ipynb #9830ae9a
 def render_conversations(convs:list, tok, # canonical conversations; the target's tokenizer
                          thinking:bool=True, merge:bool=True)->list: # per conversation: its reject rows, then its samples
     "Sample rows and reject rows (with `reject`) for `convs`: one render per group where the template continues, per event elsewhere"
+    with _gc_paused(): return _render_conversations(convs, tok, thinking, merge)
+
+def _render_conversations(convs, tok, thinking, merge):
     fam, sha = template_family(tok.chat_template), template_sha256(tok)
     why = _blocker(tok, fam)
     plans = [dict(fallback='') if c.get('unreadable') or render_problem(c) else _plan(c, tok, fam, thinking, why) for c in convs]  # rejects: the per-event path says why
