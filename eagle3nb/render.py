@@ -373,27 +373,26 @@ def _encode_offsets(tok, texts:list, offsets:bool=True)->list:
 
 # %% ../nbs/20_render.ipynb #33b94996
 import re
-from itertools import compress, count
+from itertools import chain, compress, count
 
-def _added_search(tok):
-    "(regex over `tok`'s added tokens, longest first; token -> id) where the tokenizer splits them out as it finds them, else None"
+def _searchable(tok)->bool:
+    "Whether `tok` splits its added tokens out of a text where a leftmost-longest search for them finds them"
     at = tok.added_tokens_decoder
-    if not at or any(a.lstrip or a.rstrip or a.single_word or a.normalized for a in at.values()): return None
-    ids = {a.content: i for i, a in at.items()}
-    return re.compile('|'.join(map(re.escape, sorted(ids, key=len, reverse=True)))), ids
+    return bool(at) and not any(a.lstrip or a.rstrip or a.single_word or a.normalized for a in at.values())
 
 def _encode_added(tok, texts:list)->list:
     "(ids, added) per text: its ids and (start, end, index) of each added token in it"
-    added, found = set(tok.added_tokens_decoder), _added_search(tok)
-    if texts and found and getattr(tok.backend_tokenizer, 'encode_batch_fast', None):
-        rx, idof = found
+    at = tok.added_tokens_decoder
+    if texts and _searchable(tok) and getattr(tok.backend_tokenizer, 'encode_batch_fast', None):
         encs, out = _encode_offsets(tok, texts, offsets=False), []
+        seen = sorted(set(at).intersection(chain.from_iterable(ids for ids, _ in encs)), key=lambda i: -len(at[i].content))
+        rx, idof = re.compile('|'.join(re.escape(at[i].content) for i in seen) or '(?!)'), {at[i].content: i for i in seen}  # the added tokens the ids hold, longest first
         for t, (ids, _) in zip(texts, encs):
-            ms, ks = [(m.start(), m.end(), m.group()) for m in rx.finditer(t)], list(compress(count(), map(added.__contains__, ids)))
+            ms, ks = [(m.start(), m.end(), m.group()) for m in rx.finditer(t)], list(compress(count(), map(at.__contains__, ids)))
             if len(ms) != len(ks) or any(ids[k] != idof[m] for k, (_, _, m) in zip(ks, ms)): break
             out.append((ids, [(a, b, k) for (a, b, _), k in zip(ms, ks)]))
         else: return out
-    return [(ids, [(*offs[k], k) for k in compress(count(), map(added.__contains__, ids))]) for ids, offs in _encode_offsets(tok, texts)]
+    return [(ids, [(*offs[k], k) for k in compress(count(), map(at.__contains__, ids))]) for ids, offs in _encode_offsets(tok, texts)]
 
 def _encode_cut(tok, texts:list, end:str)->list:
     "(ids, added) per text, encoded in pieces cut after `end`, each distinct piece once; added: (start, end, index) of its added tokens"
