@@ -4,11 +4,12 @@
 
 # %% auto #0
 __all__ = ['TEMPLATE_RENDERS', 'EMITTERS', 'BOUNDARY', 'RENDER_VERSION', 'STAT_COLUMNS', 'template_messages', 'direct_template',
-           'chat_text', 'family_tokenizer', 'RenderError', 'emit_kimi', 'emit_qwen3', 'emit_llama3', 'emit_deepseek',
-           'emit_glm', 'completion_text', 'template_turn', 'check_event', 'conversation_events', 'tokenize_events',
-           'group_events', 'group_sample', 'gen_prompt', 'plan_groups', 'tokenize_groups', 'template_sha256',
-           'render_conversations', 'load_tokenizer', 'tokenizer_sha256', 'features', 'render_batch', 'render_stats',
-           'read_render_manifest', 'render_dataset', 'read_conversations_jsonl', 'render_jsonl', 'catalog_rows']
+           'template_render', 'chat_text', 'family_tokenizer', 'RenderError', 'emit_kimi', 'emit_qwen3', 'emit_llama3',
+           'emit_deepseek', 'emit_glm', 'completion_text', 'template_turn', 'check_event', 'conversation_events',
+           'tokenize_events', 'group_events', 'group_sample', 'gen_prompt', 'plan_groups', 'tokenize_groups',
+           'template_sha256', 'render_conversations', 'load_tokenizer', 'tokenizer_sha256', 'features', 'render_batch',
+           'render_stats', 'read_render_manifest', 'render_dataset', 'read_conversations_jsonl', 'render_jsonl',
+           'catalog_rows']
 
 # %% ../nbs/20_render.ipynb #90be0290
 import hashlib, json, shutil, time
@@ -46,6 +47,11 @@ def direct_template(tok):
     if _compile_jinja_template is None: return 'transformers without _compile_jinja_template'
     if not isinstance(tok.chat_template, str): return 'chat template is not one string'
     return _compile_jinja_template(tok.chat_template)
+
+def template_render(tok)->str:
+    "How `chat_text` renders `tok`'s chat template: 'direct', or 'apply_chat_template: <why>'"
+    t = direct_template(tok)
+    return f'apply_chat_template: {t}' if isinstance(t, str) else 'direct'
 
 def _plain(messages:list, tools)->bool:
     "Whether `messages` and `tools` are what the direct render takes as they are"
@@ -659,7 +665,7 @@ def render_dataset(prepared_dir, # a prepared dataset directory (`eagle3nb.prepa
         stats = render_stats(rows.select_columns(list(STAT_COLUMNS)).data.table, merge)
         _save_rows(rows, tmp, work)
         m = dict(name=out.name, prepared=str(prepared_dir), target=str(target_dir), params=params, conversations=len(ds), **stats,
-                 seconds=round(time.time() - t0, 3))
+                 template_render=template_render(load_tokenizer(target_dir, trust_remote_code)), seconds=round(time.time() - t0, 3))
         (tmp/'render.json').write_text(json.dumps(m, indent=1))
         _swap(tmp, out)
     finally: shutil.rmtree(work, ignore_errors=True)
@@ -689,7 +695,8 @@ def render_jsonl(target_dir, # the target model directory
     rows = render_conversations(read_conversations_jsonl(input_jsonl), tok, thinking, merge)
     _write_jsonl(out/'samples.jsonl', ({k: r[k] for k in ('sample_id', 'input_ids', 'loss_mask', 'spans')} for r in rows if 'reject' not in r))
     _write_jsonl(out/'rejects.jsonl', (dict(sample_id=r['sample_id'], reason=r['reject']) for r in rows if 'reject' in r))
-    return dict(out=str(out), template_sha256=template_sha256(tok), **render_stats(_stat_table(rows), merge), seconds=round(time.time() - t0, 3))
+    return dict(out=str(out), template_sha256=template_sha256(tok), **render_stats(_stat_table(rows), merge), template_render=template_render(tok),
+                seconds=round(time.time() - t0, 3))
 
 # %% ../nbs/20_render.ipynb #7a2cf76f
 def catalog_rows(rendered_dir, # a rendered dataset directory (`render_dataset`)

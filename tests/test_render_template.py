@@ -2,7 +2,8 @@
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from eagle3nb.render import TEMPLATE_RENDERS, chat_text, direct_template, template_messages
+from eagle3nb.render import (TEMPLATE_RENDERS, chat_text, direct_template, family_tokenizer, render_jsonl, template_messages,
+                             template_render)
 from eagle3nb.schema import Reject
 from eagle3nb.toy import SAMPLE_TOOLS
 from test_render import FAMILIES, loop_chat, toks, toys  # noqa: F401 (fixtures)
@@ -21,7 +22,16 @@ def reference(tok, ms, tools, thinking, gen):
 
 @pytest.mark.parametrize('f', FAMILIES)
 def test_every_family_renders_directly(toks, f):
-    assert not isinstance(direct_template(toks[f]), str)
+    assert not isinstance(direct_template(toks[f]), str) and template_render(toks[f]) == 'direct'
+
+
+def test_template_dict_goes_to_apply_chat_template(toks):
+    "A tokenizer with a dict of named templates: apply_chat_template picks one and renders, counted with its reason"
+    tok = family_tokenizer(toks['qwen3'], 'qwen3', {'default': toks['qwen3'].chat_template})
+    why, ms = 'chat template is not one string', [dict(role='user', content='hi')]
+    n = TEMPLATE_RENDERS[why]
+    assert template_render(tok) == f'apply_chat_template: {why}'
+    assert chat_text(tok, ms) == chat_text(toks['qwen3'], ms) and TEMPLATE_RENDERS[why] == n + 1
 
 
 @pytest.mark.parametrize('f', FAMILIES)
@@ -62,3 +72,9 @@ def test_not_plain_input_goes_to_apply_chat_template(toks):
     assert chat_text(tok, ms) == reference(tok, ms, None, True, True) == chat_text(tok, [dict(role='user', content='hi')])
     assert chat_text(tok, ms[:0] + [dict(role='user', content='hi')], [get_weather]) == reference(tok, [dict(role='user', content='hi')], [get_weather], True, True)
     assert TEMPLATE_RENDERS['input not plain'] - n == 3
+
+
+def test_render_jsonl_says_how_the_template_rendered(toys, tmp_path):
+    src = tmp_path/'c.jsonl'
+    src.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n')
+    assert render_jsonl(toys['kimi'], src, tmp_path/'out')['template_render'] == 'direct'
