@@ -67,10 +67,10 @@ def test_not_plain_input_goes_to_apply_chat_template(toks):
         Args:
             city: the city
         """
+    hi, with_none = [dict(role='user', content='hi')], [dict(role='user', content='hi', name=None)]
     assert outcome(chat_text, tok, []) == reference(tok, [], None, True, True)
-    ms = [dict(role='user', content='hi', name=None)]
-    assert chat_text(tok, ms) == reference(tok, ms, None, True, True) == chat_text(tok, [dict(role='user', content='hi')])
-    assert chat_text(tok, ms[:0] + [dict(role='user', content='hi')], [get_weather]) == reference(tok, [dict(role='user', content='hi')], [get_weather], True, True)
+    assert chat_text(tok, with_none) == reference(tok, with_none, None, True, True) == chat_text(tok, hi)
+    assert chat_text(tok, hi, [get_weather]) == reference(tok, hi, [get_weather], True, True)
     assert TEMPLATE_RENDERS['input not plain'] - n == 3
 
 
