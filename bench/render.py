@@ -20,8 +20,8 @@ TOKENIZERS_PARALLELISM=false, as the Makefile sets them), and each does render +
 specforge 0.2.0 is installed with --no-deps; its preprocessing import path needs only torch, transformers, datasets,
 tqdm and pydantic (eagle3nb's own pins), so nothing is stubbed.
 
-Conversations: every demo recipe dataset (recipes/demo.yaml, the shipped fixtures) through eagle3nb.prepare.prepare,
-16 canonical conversations; each copy given a unique ' #i' on its user/assistant texts, and grouped by shape:
+Conversations: every demo recipe dataset with answers (recipes/demo.yaml, the shipped fixtures; not the prompt-only
+ones) through eagle3nb.prepare.prepare, 16 canonical conversations; each copy given a unique ' #i' on its user/assistant texts, and grouped by shape:
   plain      user/assistant turns (a system turn allowed), no reasoning, no tools
   tools      tools declared and/or tool calls and tool results, no reasoning
   reasoning  assistant turns with reasoning_content (in these fixtures they all also use tools)
@@ -72,9 +72,9 @@ SHAPES = ('plain', 'tools', 'reasoning')
 
 
 def seeds(tmp):
-    "The canonical conversations of every demo recipe dataset"
+    "The canonical conversations of every demo recipe dataset with answers (the prompt-only ones have nothing to supervise)"
     out = []
-    for d in yaml.safe_load((ROOT/'recipes'/'demo.yaml').read_text())['datasets']:
+    for d in (d for d in yaml.safe_load((ROOT/'recipes'/'demo.yaml').read_text())['datasets'] if d.get('kind') != 'prompt_only'):
         prepare(ROOT/d['path'], d['format'], d['name'], tmp, progress=False)
         out += list(conversations(tmp/d['name']))
     return out
