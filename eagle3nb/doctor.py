@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 from .draft import ENGINE_HEAD_SIZES, FLASHINFER_HEAD_SIZES, new_draft, _rope_scaling
-from .export import export_draft, flag_mismatches, ARCH_NAMES, MLA_KEYS, FLAGS
+from .export import export_draft, flag_mismatches, sglang_problem, ARCH_NAMES, MLA_KEYS, FLAGS
 from .recipe import default_aux_layers
 from .render import load_tokenizer, template_sha256, tokenizer_sha256
 from .train import save_checkpoint, TrainConfig, target_tensors
@@ -252,6 +252,7 @@ def check_speculative_algorithm(x:DraftExport, sa:dict=None)->list:
     elif str(alg).upper() == 'EAGLE3': out = [finding(n, 'ok', f"{sa['engine']} serves with {alg}.")]
     elif str(alg).upper() == 'EAGLE': out = [finding(n, 'FAIL', f"{sa['engine']} serves the draft with {alg!r}, not EAGLE3: the draft gets the {dims[0]} final state instead of the {dims[1]} concat of 3 aux layers: zero acceptance, no error. Relaunch with {fix}.")]
     else: out = [finding(n, 'FAIL', f"{sa['engine']} serves with speculative algorithm {alg!r}, not EAGLE3: this EAGLE-3 draft is not used as trained, so acceptance is near zero. Relaunch with {fix}.")]
+    if sg and (why := sglang_problem(x.config)): out.append(finding(n, 'FAIL', why))
     dp = sa['draft_path']
     where = '--speculative-draft-model-path' if sg else 'speculative config "model"'
     if dp is None: out.append(finding(n, 'FAIL', f"the server args name no draft model ({where}): the engine serves some other draft or none. Point it at {x.dir}."))

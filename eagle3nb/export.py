@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['FLAGS', 'MLA_KEYS', 'ARCH_NAMES', 'FLAG_TENSORS', 'ExportError', 'read_checkpoint', 'engine_aux_ids', 'export_config',
            'flag_mismatches', 'export_tensors', 'training_record', 'export_draft', 'check_export', 'run_defaults',
-           'launch_commands']
+           'sglang_problem', 'launch_commands']
 
 # %% ../nbs/70_export.ipynb #8b5e693a
 import json, os, shlex, shutil
@@ -204,6 +204,15 @@ def run_defaults(checkpoint_dir)->dict: # {'target': ..., 'data_root': ...}; emp
         r.target.model = str(ensure_toy(r.target.toy, r.target.model))
     return dict(target=r.target.model, data_root=r.data_root)
 
+# %% ../nbs/70_export.ipynb #b6c7c8e6
+def sglang_problem(cfg:dict)->str|None:
+    "Why SGLang would serve this export other than as trained (None: it serves it as trained)"
+    flags = [f for f in FLAGS if cfg.get(f) or (cfg.get('eagle_config') or {}).get(f)]
+    if flags and (cfg.get('architectures') or [''])[0] in (ARCH_NAMES['llama'][0], 'Eagle3LlamaForCausalLM'):
+        return (f"SGLang's llama_eagle3.py (03d5a77) reads no EAGLE-3.1 flag and skips the tensors it has no parameter for, so it would "
+                f"serve this Llama draft without {', '.join(flags)}: lower acceptance, no error. Serve it with vLLM, or train "
+                "phases.train.draft {arch: mla, ...} for SGLang (kimi_k25_eagle3.py reads fc_norm and norm_output).")
+
 # %% ../nbs/70_export.ipynb #f4c8c468
 def launch_commands(draft_dir,              # the exported draft folder
                     target_model,           # the target's path or hub id, as the engine should load it
@@ -211,12 +220,15 @@ def launch_commands(draft_dir,              # the exported draft folder
                     num_steps:int=3,        # draft steps per round
                     topk:int=1,             # draft branching; 1 is chain drafting
                     num_draft_tokens:int=None, # tokens verified per round; default num_steps + 1 for topk 1, else 2 x num_steps
-                   )->dict:                 # {'sglang': command, 'vllm': command}
+                   )->dict:                 # {'sglang': command, 'vllm': command}; no 'sglang' where `sglang_problem` says why
     "The SGLang and vLLM commands that serve the target with this draft as its EAGLE-3 speculator"
     n = num_draft_tokens or (num_steps + 1 if topk == 1 else 2 * num_steps)
+    cf = Path(draft_dir)/'config.json'
+    no_sglang = sglang_problem(json.loads(cf.read_text())) if cf.exists() else None
     d, t = shlex.quote(str(draft_dir)), shlex.quote(str(target_model))
     spec = json.dumps(dict(method='eagle3', model=str(draft_dir), num_speculative_tokens=num_steps))
-    return dict(
+    cmds = dict(
         sglang=(f"python -m sglang.launch_server --model-path {t} --speculative-algorithm EAGLE3 --speculative-draft-model-path {d} "
                 f"--speculative-num-steps {num_steps} --speculative-eagle-topk {topk} --speculative-num-draft-tokens {n} --tp {tp} --trust-remote-code"),
         vllm=f"vllm serve {t} --tensor-parallel-size {tp} --trust-remote-code --speculative-config {shlex.quote(spec)}")
+    return {k: v for k, v in cmds.items() if not (k == 'sglang' and no_sglang)}

@@ -74,7 +74,7 @@ def step_targets(b:dict, i:int)->tuple: # p (B, T, Vd), ok (B, T), sup (B, T): s
 # %% ../nbs/61_train.ipynb #0fcdb4f9
 def ttt_mask(valid:torch.Tensor,  # (B, T) bool, real tokens
              i:int,               # unroll step
-             rule:str='eagle3',   # 'eagle3' (training) or 'inference' (serving-time chains)
+             rule:str='inference', # 'inference' (serving-time chains, the default) or 'eagle3' (EAGLE's reference trainer)
             )->torch.Tensor:      # (B, 1, T, (i+1)T) bool, True = may attend
     "Attention mask of TTT step `i` over the step-0 keys and the keys of steps 1..i"
     assert rule in ('eagle3', 'inference'), f"rule {rule!r}: use 'eagle3' or 'inference'"
@@ -87,7 +87,7 @@ def ttt_mask(valid:torch.Tensor,  # (B, T) bool, real tokens
 # %% ../nbs/61_train.ipynb #279a4c5d
 class TTT(nn.Module):
     "The draft unrolled `k` steps; forward(batch) -> k logits (B, T, Vd)"
-    def __init__(self, draft:Eagle3Draft, k:int=7, rule:str='eagle3'):
+    def __init__(self, draft:Eagle3Draft, k:int=7, rule:str='inference'):
         super().__init__()
         self.draft, self.k, self.rule = draft, k, rule
 
@@ -155,7 +155,7 @@ def accept_lengths(hits:torch.Tensor, roots:torch.Tensor)->list: # accept length
 
 # %% ../nbs/61_train.ipynb #584ef6d5
 @torch.no_grad()
-def evaluate(draft:Eagle3Draft, samples, k:int=7, decay:float=0.8, lm_head=None, rule:str='eagle3',
+def evaluate(draft:Eagle3Draft, samples, k:int=7, decay:float=0.8, lm_head=None, rule:str='inference',
              dataset_of:dict=None, # sample_id -> dataset, for samples (store rows) that do not carry `dataset`
             )->dict:
     "Per dataset ('all' too): per-step loss/acc, estimated and simulated accept length"
@@ -192,7 +192,7 @@ class TrainConfig:
     grad_clip:float = 0.5      # max global gradient norm (recipe default)
     weight_decay:float = 0.0
     beta2:float = 0.95
-    mask_rule:str = 'eagle3'   # TTT attention mask; 'inference' trains with serving-time chains
+    mask_rule:str = 'inference' # TTT attention mask: serving-time chains; 'eagle3' hides step-0 keys s > t - i (see ttt_mask)
     ckpt_every:int = 500       # steps between checkpoints (also at the last step)
     eval_every:int = 500       # steps between evaluations (also at the last step)
     log_every:int = 10         # steps between train-metric lines

@@ -74,10 +74,10 @@ def test_weight_names_are_the_engines():
 
 def test_ttt_mask_hand_case():
     v = torch.tensor([[1, 1, 1, 1, 0]]).bool()  # one padded key
-    m = ttt_mask(v, 1)[0, 0].int()
+    m = ttt_mask(v, 1, 'eagle3')[0, 0].int()
     want0 = torch.tensor([[0, 0, 0, 0, 0], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0]])
     assert torch.equal(m, torch.cat([want0, torch.eye(5, dtype=torch.int)], 1))
-    m3 = ttt_mask(v[:, :4], 3)[0, 0].int()
+    m3 = ttt_mask(v[:, :4], 3, 'eagle3')[0, 0].int()
     assert m3.shape == (4, 16) and m3[:, :4].sum() == 1 and m3[3, 0] == 1  # only row 3 sees step-0 key 0
 
 def test_ttt_step_matches_reference_chain():

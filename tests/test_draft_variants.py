@@ -81,6 +81,19 @@ PLANTS = {
     'mla_rope_factor':          ('mla', lambda c: c['rope_scaling'].update(factor=64.0), None, 'rope', 'yarn factor 64'),
 }
 
+def test_flagged_llama_draft_gets_no_sglang_command(exports, kimi_tiny, tmp_path):
+    "SGLang's llama_eagle3.py ignores the 3.1 flags: no SGLang launch command for such a draft, and doctor fails one given by hand"
+    from eagle3nb.export import launch_commands
+    assert list(launch_commands(exports['llama'], kimi_tiny)) == ['vllm']
+    assert sorted(launch_commands(exports['mla'], kimi_tiny)) == ['sglang', 'vllm']  # kimi_k25_eagle3.py reads fc_norm, norm_output
+    sg = tmp_path/'launch_sglang.sh'
+    sg.write_text(launch_commands(exports['mla'], kimi_tiny)['sglang'].replace(str(exports['mla']), str(exports['llama'])))
+    df = doctor(exports['llama'], kimi_tiny, server_args=sg).set_index('check')
+    assert df.status['speculative_algorithm'] == 'FAIL' and "llama_eagle3.py (03d5a77) reads no EAGLE-3.1 flag" in df.detail['speculative_algorithm']
+    vl = tmp_path/'launch_vllm.sh'; vl.write_text(launch_commands(exports['llama'], kimi_tiny)['vllm'])
+    assert doctor(exports['llama'], kimi_tiny, server_args=vl).set_index('check').status['speculative_algorithm'] == 'ok'
+
+
 @pytest.mark.parametrize('name', PLANTS)
 def test_variant_plant_is_caught(name, exports, kimi_tiny, tmp_path):
     arch, cfg, ts, check, words = PLANTS[name]
