@@ -9,7 +9,7 @@ __all__ = ['FORMAT', 'CONVENTION', 'MODES', 'FP8_MAX', 'META_KEYS', 'TENSORS', '
            'HiddenStates', 'StoreInvalid', 'corpus_map', 'validate']
 
 # %% ../nbs/51_store.ipynb #ca091201
-import json, os, re
+import json, os, re, shutil
 from pathlib import Path
 import torch
 from safetensors import safe_open
@@ -103,7 +103,8 @@ class ShardWriter:
                  on_shard=None):              # called with (path, index rows) after each shard lands
         self.d, self.meta, self.shard_bytes, self.prefix, self.on_shard = Path(out_dir), meta, shard_bytes, prefix, on_shard
         self.d.mkdir(parents=True, exist_ok=True)
-        for t in self.d.glob(f'.{prefix}-*.safetensors.tmp-*'): t.unlink(missing_ok=True)  # a killed writer's; the prefix is ours alone
+        for t in self.d.glob(f'.{prefix}-*.safetensors.tmp-*'):  # a killed writer's folder (or file); the prefix is ours alone
+            shutil.rmtree(t, ignore_errors=True) if t.is_dir() else t.unlink(missing_ok=True)
         self.buf, self.nbytes, self.written = [], 0, []
         self.want = ('input_ids', 'loss_mask') + TENSORS[meta['mode']]
 
@@ -129,9 +130,12 @@ def _flush(self:ShardWriter):
     out['input_ids'], out['loss_mask'] = out['input_ids'].to(torch.int32), out['loss_mask'].to(torch.uint8)
     out['offsets'] = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])  # (n+1,)
     path = self.d/f'{self.prefix}-{_next_seq(self.d, self.prefix):06d}.safetensors'
-    tmp = path.with_name(f'.{path.name}.tmp-{os.getpid()}')
-    save_file(out, str(tmp), metadata=_encode({**self.meta, 'sample_ids': ids}))
-    os.replace(tmp, path)  # atomic: the shard exists whole or not at all
+    tmp = path.with_name(f'.{path.name}.tmp-{os.getpid()}')  # a folder of ours: safetensors writes its own `.tmpXXXXXX` beside its target
+    tmp.mkdir(exist_ok=True)
+    try:
+        save_file(out, str(tmp/path.name), metadata=_encode({**self.meta, 'sample_ids': ids}))
+        os.replace(tmp/path.name, path)  # atomic: the shard exists whole or not at all
+    finally: shutil.rmtree(tmp, ignore_errors=True)
     self.written.append(path); self.buf, self.nbytes = [], 0
     if self.on_shard: self.on_shard(path, shard_rows(path))
     return path
