@@ -218,6 +218,7 @@ def serve(model_dir,                       # model directory (HF layout)
           continuous_batching:bool=False,  # see `serve_command`; crashes on DeepseekV3 on CPU
          )->int:                           # the server's exit code
     "Serve `model_dir` in the foreground until Ctrl-C"
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started with SIGINT ignored (`cmd &` in a script, nohup)
     srv = LocalServer(model_dir, port, host, log_path='-', continuous_batching=continuous_batching).start()
     try:
         srv.wait_ready()

@@ -121,9 +121,13 @@ def test_serve_runs_in_the_foreground_until_ctrl_c(kimi_tiny):
     try:
         served = wait_for_server(f'http://127.0.0.1:{port}/v1', timeout=120)
         assert served == [str(Path(kimi_tiny).resolve())]
-        time.sleep(0.5)  # let `serve` print its banner
+        seen = []
+        for line in p.stdout:  # its banner, then Ctrl-C: readiness, not a clock
+            seen.append(line)
+            if 'Ctrl-C to stop' in line: break
         p.send_signal(signal.SIGINT)  # what Ctrl-C sends
-        out, _ = p.communicate(timeout=30)
+        out, _ = p.communicate(timeout=120)
+        out = ''.join(seen) + out
     finally:
         if p.poll() is None:  # SIGINT, not SIGKILL: `serve` must get to stop its server
             p.send_signal(signal.SIGINT)
