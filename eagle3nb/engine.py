@@ -5,10 +5,10 @@
 # %% auto #0
 __all__ = ['ENGINE_VAR', 'SILENT_SIGNS', 'EngineNotFound', 'vllm_python', 'engine_available', 'engine_info', 'vllm_command',
            'engine_env', 'EngineError', 'VllmServer', 'root_cause', 'parse_counters', 'spec_counters', 'counter_delta',
-           'vllm_version', 'complete_ids', 'verify_served', 'mla_disable_for', 'serve_engine']
+           'vllm_version', 'local_vllm', 'complete_ids', 'verify_served', 'mla_disable_for', 'serve_engine']
 
 # %% ../nbs/05_engine.ipynb #c4683b49
-import json, os, re, shutil, signal, subprocess, tempfile, time, urllib.request, urllib.error
+import json, os, re, shutil, signal, subprocess, tempfile, time, urllib.parse, urllib.request, urllib.error
 from pathlib import Path
 from fastcore.basics import patch
 from .toy import PKG
@@ -222,10 +222,11 @@ def parse_counters(text:str)->dict: # drafts, draft_tokens, accepted, per_pos (l
     return out
 
 # %% ../nbs/05_engine.ipynb #b0e8fdeb
+def _root(base_url:str)->str: return base_url.rstrip('/').removesuffix('/v1')  # the server root of a .../v1 URL
+
 def spec_counters(base_url:str)->dict:
     "The speculative counters of the vLLM server at `base_url` (.../v1 or its root)"
-    root = base_url.rstrip('/').removesuffix('/v1')
-    with urllib.request.urlopen(root + '/metrics', timeout=30) as r: return parse_counters(r.read().decode())
+    with urllib.request.urlopen(_root(base_url) + '/metrics', timeout=30) as r: return parse_counters(r.read().decode())
 
 def counter_delta(a:dict, b:dict)->dict:
     "Counters `b - a`, with accept length `1 + accepted / drafts` and per-position acceptance rates"
@@ -238,11 +239,14 @@ def counter_delta(a:dict, b:dict)->dict:
 # %% ../nbs/05_engine.ipynb #fe3591d8
 def vllm_version(base_url:str, timeout:float=5.0)->str|None:
     "The vLLM version the server at `base_url` reports (`GET /version`); None when it is not a vLLM server or does not answer"
-    root = base_url.rstrip('/').removesuffix('/v1')
     try:
-        with urllib.request.urlopen(root + '/version', timeout=timeout) as r: v = json.loads(r.read().decode())
+        with urllib.request.urlopen(_root(base_url) + '/version', timeout=timeout) as r: v = json.loads(r.read().decode())
     except (OSError, ValueError): return None
     return v.get('version') if isinstance(v, dict) else None
+
+def local_vllm(base_url:str)->bool:
+    "Is `base_url` a vLLM server on this machine's loopback (a run's own server, fit to be a baseline beside one started here)?"
+    return urllib.parse.urlsplit(base_url).hostname in ('127.0.0.1', 'localhost', '::1') and vllm_version(base_url) is not None
 
 # %% ../nbs/05_engine.ipynb #14a189a2
 def complete_ids(base_url:str, model:str, prompts:list, max_tokens:int=64, concurrency:int=4)->list: # token ids per prompt

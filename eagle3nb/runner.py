@@ -236,8 +236,9 @@ def run(recipe,            # recipe YAML path
     done = lambda s: (st := state['phases'].get(s, {})).get('status') == 'completed' and st.get('fingerprint') == fps[s] and (run_dir/f'{s}.ipynb').exists()
     todo = [s for s in sel if not done(s)]
     served = serve and not r.target.endpoints and any(phase_key(s) in SERVED for s in todo)
-    if served: _tell(f"serving the target locally with {'vLLM' if local_server(r) else 'transformers serve'} (log: {run_dir/'server.log'})")
-    with (target_session(r, run_dir, served, local_server(r) if served else None) if todo else nullcontext(r)) as rr:
+    factory = local_server(r) if served else None
+    if served: _tell(f"serving the target locally with {'vLLM' if factory else 'transformers serve'} (log: {run_dir/'server.log'})")
+    with (target_session(r, run_dir, served, factory) if todo else nullcontext(r)) as rr:
         frozen = save_recipe(rr, run_dir/'recipe.yaml')
         for s in (bar := tqdm(sel, desc='phases', unit='phase', file=sys.stderr)):
             bar.set_postfix_str(s)
