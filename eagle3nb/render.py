@@ -37,16 +37,41 @@ def template_messages(messages:list, # canonical messages
     return out
 
 # %% ../nbs/20_render.ipynb #1b24df22
+from functools import lru_cache
 try: from transformers.utils.chat_template_utils import _alias_reasoning_fields, _compile_jinja_template
 except ImportError: _compile_jinja_template = None
+try: from transformers.utils.chat_template_utils import _cached_compile_jinja_template as _fresh_compile
+except ImportError: _fresh_compile = None
 
 TEMPLATE_RENDERS = Counter()  # chat-template renders in this process: 'direct', or why `apply_chat_template` rendered
+
+def _memo_safe(env):
+    "Make sandbox `env` remember its attribute verdicts per (type, name) for the template's own data: JSON values, loop, namespace"
+    from jinja2.runtime import LoopContext
+    from jinja2.utils import Namespace
+    check, seen, kinds = env.is_safe_attribute, {}, {}
+    plain = {str, dict, list, tuple, int, float, bool, type(None)}
+    def is_safe_attribute(obj, attr, value):
+        t = type(obj)
+        if (m := kinds.get(t)) is None: m = kinds[t] = t in plain or issubclass(t, (LoopContext, Namespace))
+        if not m: return check(obj, attr, value)
+        if (r := seen.get((t, attr))) is None: r = seen[t, attr] = check(obj, attr, value)
+        return r
+    env.is_safe_attribute = is_safe_attribute
+    return env
+
+@lru_cache(maxsize=16)
+def _compiled(template:str):
+    "`template` compiled as `apply_chat_template` compiles it, in a sandbox of its own that remembers its verdicts"
+    if _fresh_compile is None: return _compile_jinja_template(template)
+    t = _fresh_compile(template); _memo_safe(t.environment)
+    return t
 
 def direct_template(tok):
     "`tok`'s chat template compiled as `apply_chat_template` compiles it, or a str: why `apply_chat_template` must render"
     if _compile_jinja_template is None: return 'transformers without _compile_jinja_template'
     if not isinstance(tok.chat_template, str): return 'chat template is not one string'
-    return _compile_jinja_template(tok.chat_template)
+    return _compiled(tok.chat_template)
 
 def template_render(tok)->str:
     "How `chat_text` renders `tok`'s chat template: 'direct', or 'apply_chat_template: <why>'"
@@ -283,6 +308,8 @@ _TURN_MARK = dict(kimi='<|im_assistant|>', qwen3='<|im_start|>assistant', llama3
                   glm='<|assistant|>', deepseek='<｜end▁of▁sentence｜>')
 _END = dict(kimi='<|im_end|>', qwen3='<|im_end|>', llama3='<|eot_id|>', deepseek='<｜end▁of▁sentence｜>', glm='<|observation|>')
 
+_CONTENT_AT = dict(qwen3=('<|im_start|>assistant\n', '</think>\n\n'))  # where an assistant turn's content starts, in history and as emitted
+
 class _PerEvent(Exception):
     "This conversation takes the per-event path; the message says why (empty: not counted as a fallback)"
 
@@ -361,11 +388,36 @@ def plan_groups(c:dict, tok, fam:str, # conversation; the target's tokenizer; it
 # %% ../nbs/20_render.ipynb #b025e0e4
 def _enc(tok, texts:list)->list: return tok(texts, add_special_tokens=False)['input_ids'] if texts else []
 
-def _cuts(text:str, end:str)->list:
-    "Offsets that split `text` after each `end` token, with 0 and `len(text)`"
+def _cuts(text:str, end:str, starts:tuple=())->list:
+    "Offsets that split `text` after each `end` token and after each of `starts` that a non-space follows, with 0 and `len(text)`"
     out, k = [0], text.find(end)
     while k >= 0: out.append(k + len(end)); k = text.find(end, k + len(end))
-    return out if out[-1] == len(text) else out + [len(text)]
+    if out[-1] != len(text): out.append(len(text))
+    more = []
+    for m in starts:
+        k = text.find(m)
+        while k >= 0:
+            if (p := k + len(m)) < len(text) and not text[p].isspace(): more.append(p)
+            k = text.find(m, p)
+    return sorted(set(out).union(more)) if more else out
+
+_PROBE_TAILS = ('assistant\n', '\n\n', 'x.\n', '\n')
+_PROBE_HEADS = ('Hello there', "It's", '1. first', '42', '**bold**', '# Title', '- item', '`code`', '(a)', '"q"', "'s", '\u2019twas', '<b>',
+                '\u4e2d\u6587\u5b57', '\u65e5\u672c', '\u00e9t\u00e9', 'e\u0301', '\u0301x', '\u2163', '\U0001f600 ok', '|a|', '_x', '\\n', '$x$', '...')
+
+def _unicode_only(n)->bool:
+    "Whether normalizer `n` is none or only Unicode normal forms (which change nothing across a newline)"
+    from tokenizers import normalizers as N
+    return n is None or isinstance(n, (N.NFC, N.NFD, N.NFKC, N.NFKD))
+
+def _cut_safe(tok)->bool:
+    "Whether `tok` encodes a text cut after a newline, before a non-space, as it encodes the text whole (on a probe of such cuts)"
+    if (r := getattr(tok, '_eagle3nb_cut_safe', None)) is not None: return r
+    bk, pairs = tok.backend_tokenizer, [(t, h) for t in _PROBE_TAILS for h in _PROBE_HEADS]
+    whole = [e.ids for e in bk.encode_batch([t + h for t, h in pairs], add_special_tokens=False)]
+    part = {s: e.ids for s, e in zip(_PROBE_TAILS + _PROBE_HEADS, bk.encode_batch(list(_PROBE_TAILS + _PROBE_HEADS), add_special_tokens=False))}
+    tok._eagle3nb_cut_safe = r = _unicode_only(bk.normalizer) and whole == [part[t] + part[h] for t, h in pairs]
+    return r
 
 def _encode_offsets(tok, texts:list, offsets:bool=True)->list:
     "(ids, offsets) of each text, as `tok(texts, add_special_tokens=False, return_offsets_mapping=True)` gives them; offsets None if not `offsets`"
@@ -400,9 +452,11 @@ def _encode_added(tok, texts:list)->list:
         else: return out
     return [(ids, [(*offs[k], k) for k in compress(count(), map(at.__contains__, ids))]) for ids, offs in _encode_offsets(tok, texts)]
 
-def _encode_cut(tok, texts:list, end:str)->list:
+def _encode_cut(tok, texts:list, end:str, # texts; the end-of-turn token
+                starts:tuple=())->list: # where a turn's content starts (`_CONTENT_AT`), cut there too if `_cut_safe`
     "(ids, added) per text, encoded in pieces cut after `end`, each distinct piece once; added: (start, end, index) of its added tokens"
-    cuts = [_cuts(t, end) for t in texts]
+    starts = starts if starts and _cut_safe(tok) else ()
+    cuts = [_cuts(t, end, starts) for t in texts]
     pieces = [t[a:b] for t, cs in zip(texts, cuts) for a, b in zip(cs, cs[1:])]
     uniq = list(dict.fromkeys(pieces))
     enc = dict(zip(uniq, _encode_added(tok, uniq)))
@@ -421,7 +475,7 @@ def tokenize_groups(tok, gs:list, # groups from `plan_groups`
     "Add `ids` and per event its token cut `t`, prompt window `loc`, `completion` ids and `whole` (window + completion) to each group"
     if not gs: return
     texts = []
-    for g, (ids, marks) in zip(gs, _encode_cut(tok, [g['text'] for g in gs], _END[fam])):
+    for g, (ids, marks) in zip(gs, _encode_cut(tok, [g['text'] for g in gs], _END[fam], _CONTENT_AT.get(fam, ()))):
         ends = [e for _, e, _ in marks]
         at = {s: n for s, _, n in marks} | {e: n + 1 for _, e, n in marks}  # token index at an added token's start and end
         g['ids'], g['tok'] = ids, []
