@@ -296,13 +296,14 @@ def _run(client, P, out_dir, mode, n_aux, norm_w, eps, w_draft, topk, concurrenc
 @contextmanager
 def engine_session(r:Recipe, layer_ids:list, spool:str='', max_len:int=2048, dtype:str='', log=print):
     "Yield (base URLs, model id, spool folder, whether we own it): the recipe's engine, or a local one launched here"
-    if r.target.endpoints:
+    if r.target.endpoints and not r.target.served_here:  # the run's own server is a plain one: launch an extraction server
         if not spool: raise ValueError("target.endpoints is set: give phases.extract.spool (or --spool), the folder the engine's "
                                        "hidden-states connector writes (its shared_storage_path), readable from here")
         from eagle3nb.recipe import api_key
         hd = {'Authorization': f'Bearer {api_key(r)}'} if r.target.api_key_env else None
         model = r.target.served_name or httpx.get(r.target.endpoints[0].rstrip('/') + '/models', headers=hd, timeout=30).json()['data'][0]['id']
         yield r.target.endpoints, model, Path(spool), False; return
+    if r.target.served_here: log(f"{r.target.endpoints[0]} is the run's plain target server (no hidden-states connector): launching an extraction server")
     spool = Path(spool or Path(r.data_root)/'hidden'/'.engine'/'spool'); spool.mkdir(parents=True, exist_ok=True)
     py = vllm_python()
     srv = extract_server(r.target.model, spool, layer_ids, max_model_len=max(2048, max_len + 8),

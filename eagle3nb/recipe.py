@@ -41,6 +41,7 @@ class Target(_Strict):
     thinking: bool = True           # render prompts with thinking on (`thinking` / `enable_thinking`)
     aux_layers: list[int]|None = None  # input-of-layer ids (vLLM convention); default [2, N//2, N-3]
     engine: Literal['vllm', 'transformers']|None = None  # who serves the target when no endpoints are listed; None: vLLM when installed, else transformers
+    served_here: bool = False       # set by the runner: `endpoints` is the plain server it started for this run
 
     @model_validator(mode='after')
     def _model_or_toy(self):

@@ -113,5 +113,5 @@ def target_session(r:Recipe,     # resolved recipe
     if r.target.endpoints or not serve: yield r; return
     from eagle3nb.server import LocalServer
     with (server or LocalServer)(r.target.model, log_path=Path(log_dir)/'server.log' if log_dir else None) as srv:
-        r.target.endpoints, r.target.served_name = [srv.base_url], r.target.served_name or srv.model
+        r.target.endpoints, r.target.served_name, r.target.served_here = [srv.base_url], r.target.served_name or srv.model, True
         yield r

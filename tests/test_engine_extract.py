@@ -157,9 +157,11 @@ def test_kill9_mid_run_then_resume_nothing_lost_or_doubled(qwen3):
 
 
 def test_kimi_mla_cli_local_launch_equals_hf(tmp_path, capsys):
-    "kimi-tiny (MLA, the CPU MLA backend) through `eagle3nb extract RECIPE` with `phases.extract.engine: vllm`, which launches its own server"
+    """kimi-tiny (MLA, the CPU MLA backend) through `eagle3nb extract RECIPE` with `phases.extract.engine: vllm`, which
+    launches its own server. The recipe is as a run writes it when its runner serves the target: `target.endpoints` is
+    that plain server (here a port where nothing listens), marked `served_here`, so extraction must not send it anything"""
     from eagle3nb.cli import main
-    r = recipe_for(tmp_path, 'kimi-tiny')
+    r = recipe_for(tmp_path, 'kimi-tiny', endpoints=['http://127.0.0.1:9/v1'], served_here=True)
     r.phases = dict(extract=dict(engine='vllm', concurrency=4))
     ts = target_summary(r.target.model)
     corpus(Path(r.data_root), ts['vocab_size'], 16, 5, 100, seed=2)
@@ -167,7 +169,9 @@ def test_kimi_mla_cli_local_launch_equals_hf(tmp_path, capsys):
     main(['extract', str(save_recipe(r, tmp_path/'recipe.yaml')), '--splits', 'train'])
     print(f'kimi engine extraction (server start included): {time.perf_counter() - t0:.1f} s')
     store = Path(r.data_root)/'hidden'/'bf16'/'train'
-    assert len(read_index(store)) == 16 and 'vllm: bf16/train: 16 new samples' in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert len(read_index(store)) == 16 and 'vllm: bf16/train: 16 new samples' in out
+    assert "http://127.0.0.1:9/v1 is the run's plain target server (no hidden-states connector): launching an extraction server" in out
     spool = Path(r.data_root)/'hidden'/'.engine'/'spool'
     assert not list(spool.iterdir())  # the readiness probe's file too: the spool is ours
     hf = hf_store(r.target.model, load_from_disk(str(Path(r.data_root)/'corpus'/'train')), tmp_path/'hf', 'bf16', ts['aux_layers'])
