@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['CONNECTOR_MODULE', 'CONNECTOR_CLASS', 'CONNECTOR_SRC', 'write_connector', 'extract_spec', 'extract_kv_config',
            'extract_server', 'read_weight', 'final_norm', 'rms_norm', 'EngineExtractError', 'spool_name', 'read_spool',
-           'drop_spool', 'check_tokens', 'unpack', 'EngineClient', 'extract_engine', 'engine_session',
-           'extract_recipe_engine']
+           'drop_spool', 'check_tokens', 'unpack', 'EngineClient', 'extract_engine_modes', 'extract_engine',
+           'engine_session', 'extract_recipe_engine']
 
 # %% ../nbs/52_engine_extract.ipynb #dde42a18
 import fcntl, hashlib, os, time
@@ -237,60 +237,80 @@ def _fetcher(client:EngineClient, reuse:set, n_layers:int):
     return fetch
 
 # %% ../nbs/52_engine_extract.ipynb #306c160d
-def extract_engine(client:EngineClient,   # requests to the running engine
-                   samples,               # datasets.Dataset or list of dicts: sample_id, input_ids, loss_mask
-                   out_dir,               # store folder (one per split)
-                   model_dir,             # the target's folder: config, final norm, lm_head (compact)
-                   aux_layers:list=None,  # input-of-layer ids; default [2, N//2, N-3]
-                   mode:str='bf16', d2t=None, topk:int=64, # as `extract.extract`
-                   concurrency:int=8,     # requests in flight
-                   shard_bytes:int=1<<30, catalog=None, target:str='', template_sha256:str='',
-                   own_spool:bool=False,  # the spool is ours alone (a server we launched): tidy files of no sample too
-                   progress:bool=True)->dict: # the same stats as `extract.extract`
-    "Store the hidden states the engine returns for `samples` in `out_dir`, resuming where a previous run stopped"
+def extract_engine_modes(client:EngineClient,  # requests to the running engine
+                         samples,              # datasets.Dataset or list of dicts: sample_id, input_ids, loss_mask
+                         outs:dict,            # mode -> store folder (one per mode, same split)
+                         model_dir,            # the target's folder: config, final norm, lm_head (compact)
+                         aux_layers:list=None, # input-of-layer ids; default [2, N//2, N-3]
+                         d2t=None, topk:int=64, # as `extract.extract` (compact)
+                         concurrency:int=8,    # requests in flight
+                         shard_bytes:int=1<<30, catalog=None, target:str='', template_sha256:str='',
+                         own_spool:bool=False, # the spool is ours alone (a server we launched): tidy files of no sample too
+                         progress:bool=True)->dict: # mode -> the stats of `extract.extract`, plus `requests` (all modes together)
+    "Store the hidden states the engine returns for `samples` in one store per mode, each sample asked once for every store that lacks it"
     from transformers import AutoConfig
-    P = _plan(SimpleNamespace(config=AutoConfig.from_pretrained(model_dir)), samples, out_dir, aux_layers, mode, d2t, topk,
-              target, template_sha256, 0, 1)  # `_plan` reads only `model.config`
-    n_aux, todo_ids = len(P['aux_layers']), {P['ids'][j] for j in P['todo']}
-    reuse = _tidy_spool(client.spool, P['ids'], todo_ids, own_spool)
-    spool_need = concurrency * max([P['lens'][j] for j in P['todo']], default=0) * (n_aux + 1) * P['H'] * 4  # files in flight, fp32
-    pre = preflight(out_dir, P['need'] + spool_need)
+    cfg = SimpleNamespace(config=AutoConfig.from_pretrained(model_dir))  # `_plan` reads only `model.config`
+    sinks = [dict(mode=m, out=Path(o), P=_plan(cfg, samples, o, aux_layers, m, d2t, topk, target, template_sha256, 0, 1)) for m, o in outs.items()]
+    P = sinks[0]['P']; n_aux = len(P['aux_layers'])
+    todo = sorted(set().union(*(k['P']['todo'] for k in sinks)))
+    reuse = _tidy_spool(client.spool, P['ids'], {P['ids'][j] for j in todo}, own_spool)
+    spool_need = concurrency * max([P['lens'][j] for j in todo], default=0) * (n_aux + 1) * P['H'] * 4  # files in flight, fp32
+    pre = preflight(sinks[0]['out'], sum(k['P']['need'] for k in sinks) + spool_need)
     norm_w, eps = final_norm(model_dir)
-    w_draft = read_weight(model_dir, _HEAD_KEYS + _EMBED_KEYS)[P['tids']] if mode == 'compact' else None  # (Vd, H)
-    if catalog: sync_index(catalog, out_dir)
-    return _run(client, P, out_dir, mode, n_aux, norm_w, eps, w_draft, topk, concurrency, shard_bytes, catalog, reuse, pre, progress)
+    for k in sinks:
+        k['w_draft'] = read_weight(model_dir, _HEAD_KEYS + _EMBED_KEYS)[k['P']['tids']] if k['mode'] == 'compact' else None  # (Vd, H)
+        if catalog: sync_index(catalog, k['out'])
+    return _run(client, sinks, todo, n_aux, norm_w, eps, topk, concurrency, shard_bytes, catalog, reuse, pre, progress)
+
+def extract_engine(client:EngineClient, samples, out_dir, model_dir, aux_layers:list=None, mode:str='bf16', d2t=None, topk:int=64,
+                   concurrency:int=8, shard_bytes:int=1<<30, catalog=None, target:str='', template_sha256:str='',
+                   own_spool:bool=False, progress:bool=True)->dict: # the same stats as `extract.extract`
+    "Store the hidden states the engine returns for `samples` in `out_dir` (one mode), resuming where a previous run stopped"
+    return extract_engine_modes(client, samples, {mode: out_dir}, model_dir, aux_layers, d2t, topk, concurrency, shard_bytes,
+                                catalog, target, template_sha256, own_spool, progress)[mode]
 
 # %% ../nbs/52_engine_extract.ipynb #79aaed78
-def _run(client, P, out_dir, mode, n_aux, norm_w, eps, w_draft, topk, concurrency, shard_bytes, catalog, reuse, pre, progress):
-    "The request loop of `extract_engine`"
+def _run(client, sinks, todo, n_aux, norm_w, eps, topk, concurrency, shard_bytes, catalog, reuse, pre, progress):
+    "The request loop of `extract_engine_modes`: each sample of `todo` asked once, stored by every sink (mode) that lacks it"
     from tqdm.auto import tqdm
-    held = []  # spool files of samples in the writer's buffer: dropped when their shard lands
-    def on_shard(path, rows):
-        if catalog: record_index(catalog, out_dir, rows)
-        for p in held: drop_spool(p)
-        held.clear()
-    wr = ShardWriter(out_dir, P['meta'], shard_bytes, prefix='r000', on_shard=on_shard)
-    st = dict(samples=0, tokens=0, skipped=P['skipped'], planned_bytes=P['need'], free_bytes=pre['free_bytes'])
-    bar = tqdm(total=sum(P['lens'][j] for j in P['todo']), unit='tok', desc=f'extract {mode} (vllm)', disable=not progress, mininterval=0.5)
-    fetch, todo, live, t0 = _fetcher(client, reuse, n_aux + 1), iter(P['todo']), set(), time.perf_counter()
+    left = {}  # spool file -> stores whose buffer holds its sample; dropped when the last of them lands its shard
+    def writer(k):
+        def on_shard(path, rows):
+            if catalog: record_index(catalog, k['out'], rows)
+            for p in k['held']:
+                left[p] -= 1
+                if not left[p]: del left[p]; drop_spool(p)
+            k['held'].clear()
+        return ShardWriter(k['out'], k['P']['meta'], shard_bytes, prefix='r000', on_shard=on_shard)
+    for k in sinks: k.update(held=[], todo=set(k['P']['todo']), wr=writer(k), st=dict(samples=0, tokens=0, skipped=k['P']['skipped'],
+                                                                                   planned_bytes=k['P']['need'], free_bytes=pre['free_bytes']))
+    P, n0 = sinks[0]['P'], client.n
+    bar = tqdm(total=sum(P['lens'][j] for j in todo), unit='tok', desc=f"extract {'+'.join(k['mode'] for k in sinks)} (vllm)", disable=not progress, mininterval=0.5)
+    fetch, it, live, t0 = _fetcher(client, reuse, n_aux + 1), iter(todo), {}, time.perf_counter()
     try:
         with ThreadPoolExecutor(concurrency) as ex:
             try:
                 while True:
-                    while len(live) < concurrency and (j := next(todo, None)) is not None: live.add(ex.submit(fetch, P['get'](j)))
+                    while len(live) < concurrency and (j := next(it, None)) is not None: live[ex.submit(fetch, P['get'](j))] = j
                     if not live: break
-                    done, live = wait(live, return_when=FIRST_COMPLETED)
-                    for f in done:
-                        row, p, got = f.result()
+                    for f in wait(live, return_when=FIRST_COMPLETED).done:
+                        j = live.pop(f); row, p, got = f.result()
                         a, fin = unpack(got['hidden_states'], norm_w, eps)
-                        held.append(p); wr.add(row['sample_id'], _sample_tensors(row, a, fin, mode, n_aux, w_draft, topk))
-                        st['samples'] += 1; st['tokens'] += len(a); bar.update(len(a))
+                        ks = [k for k in sinks if j in k['todo']]; left[p] = len(ks)
+                        for k in ks:
+                            k['held'].append(p); k['wr'].add(row['sample_id'], _sample_tensors(row, a, fin, k['mode'], n_aux, k['w_draft'], topk))
+                            k['st']['samples'] += 1; k['st']['tokens'] += len(a)
+                        bar.update(len(a))
             except BaseException: ex.shutdown(cancel_futures=True); raise
-    finally: wr.flush(); bar.close()  # what arrived whole is kept
-    st['seconds'] = st['forward_s'] = time.perf_counter() - t0
-    st.update(tokens_per_s=st['tokens'] / max(st['seconds'], 1e-9), shards=[p.name for p in wr.written],
-              bytes=sum(p.stat().st_size for p in wr.written), bytes_per_token=P['bpt'])
-    return st
+    finally:  # what arrived whole is kept
+        for k in sinks: k['wr'].flush()
+        bar.close()
+    secs = time.perf_counter() - t0
+    for k in sinks:
+        st, wr = k['st'], k['wr']
+        st.update(seconds=secs, forward_s=secs, tokens_per_s=st['tokens'] / max(secs, 1e-9), shards=[p.name for p in wr.written],
+                  bytes=sum(p.stat().st_size for p in wr.written), bytes_per_token=k['P']['bpt'], requests=client.n - n0)
+    return {k['mode']: k['st'] for k in sinks}
 
 # %% ../nbs/52_engine_extract.ipynb #c9b31631
 @contextmanager
@@ -342,11 +362,14 @@ def extract_recipe_engine(recipe,              # recipe YAML path or resolved `R
     with engine_session(r, ts['aux_layers'] + [ts['num_hidden_layers']], spool or ph.get('spool', ''), max_len, dtype, log) as (urls, model, sp, own):
         from eagle3nb.recipe import api_key
         client = EngineClient(urls, model, sp, api_key=api_key(r) if r.target.api_key_env else None, concurrency=conc)
-        for mode in ml:
-            for s, ds in corpora.items():
-                out = root/'hidden'/mode/s
-                st = extract_engine(client, ds, out, r.target.model, ts['aux_layers'], mode, d2t, topk, conc, int(shard_mb * (1 << 20)),
-                                    r.catalog, tid, tsha, own_spool=own, progress=progress)
+        for s, ds in corpora.items():  # every mode of a split from one pass: one request per sample
+            outs = {mode: root/'hidden'/mode/s for mode in ml}
+            sts = extract_engine_modes(client, ds, outs, r.target.model, ts['aux_layers'], d2t, topk, conc, int(shard_mb * (1 << 20)),
+                                       r.catalog, tid, tsha, own_spool=own, progress=progress)
+            for mode, out in outs.items():
+                st = sts[mode]
                 rep = validate(out, corpus=ds, expect=dict(mode=mode, target=tid, template_sha256=tsha, layer_ids=ts['aux_layers']))
-                rows.append(_row(mode, s, st, rep)); log(f'vllm: {mode}/{s}: {st["samples"]} new samples, {st["tokens"]} tokens, {st["tokens_per_s"]:.0f} tokens/s')
-    return rows
+                rows.append(_row(mode, s, st, rep) | dict(requests=st['requests']))
+                log(f'vllm: {mode}/{s}: {st["samples"]} new samples, {st["tokens"]} tokens, {st["tokens_per_s"]:.0f} tokens/s, '
+                    f'{st["requests"]} engine requests' + (f' for {"+".join(ml)}' if len(ml) > 1 else ''))
+    return sorted(rows, key=lambda x: ml.index(x['mode']))  # mode by mode, as the HF path lists them

@@ -95,7 +95,8 @@ def qwen3(tmp_path_factory):
 
 
 def test_qwen3_engine_store_equals_hf_store(qwen3):
-    "bf16 and compact stores through vLLM match the HF path's sample by sample; same metadata; indexed in the catalog"
+    """bf16 and compact stores through vLLM match the HF path's sample by sample; same metadata; indexed in the catalog.
+    Both modes come from one request per sample, also when only one store lacks a sample"""
     tmp, ts = qwen3['tmp']/'eq', qwen3['ts']
     r = recipe_for(tmp, 'qwen3-tiny', endpoints=[qwen3['srv'].base_url])
     r.phases = dict(extract=dict(spool=str(qwen3['spool']), concurrency=4))
@@ -103,7 +104,7 @@ def test_qwen3_engine_store_equals_hf_store(qwen3):
     t0 = time.perf_counter()
     rows = extract_recipe_engine(r, modes='bf16,compact', splits='train', progress=False, log=lambda *a: None)
     print(f"qwen3 engine extraction: {[(x['mode'], x['new_samples'], x['tokens'], x['tokens_per_s']) for x in rows]} in {time.perf_counter() - t0:.1f} s")
-    assert [(x['mode'], x['new_samples'], x['skipped']) for x in rows] == [('bf16', 24, 0), ('compact', 24, 0)]
+    assert [(x['mode'], x['new_samples'], x['skipped'], x['requests']) for x in rows] == [('bf16', 24, 0, 24), ('compact', 24, 0, 24)]
     ds = load_from_disk(str(Path(r.data_root)/'corpus'/'train'))
     root = Path(r.data_root)
     for mode in ('bf16', 'compact'):
@@ -121,38 +122,54 @@ def test_qwen3_engine_store_equals_hf_store(qwen3):
         n = con.execute("SELECT count(*) FROM hidden_index WHERE store = ?", [str((root/'hidden'/'bf16'/'train').resolve())]).fetchone()[0]
     assert n == 24
     again = extract_recipe_engine(r, modes='bf16', splits='train', progress=False, log=lambda *a: None)  # a rerun asks for nothing
-    assert (again[0]['new_samples'], again[0]['skipped']) == (0, 24)
+    assert (again[0]['new_samples'], again[0]['skipped'], again[0]['requests']) == (0, 24, 0)
+    import shutil
+    compact = root/'hidden'/'compact'/'train'
+    shutil.rmtree(compact)  # the compact store lost, the bf16 one whole: both asked again, only the samples compact lacks
+    mixed = extract_recipe_engine(r, modes='bf16,compact', splits='train', progress=False, log=lambda *a: None)
+    assert [(x['mode'], x['new_samples'], x['skipped'], x['requests']) for x in mixed] == [('bf16', 0, 24, 24), ('compact', 24, 0, 24)]
+    d = compare(compact, tmp/'hf'/'compact', len(ts['aux_layers']), QWEN3_TOL)
+    assert d['aux_excess'] <= QWEN3_TOL and d['topk_p_max_abs'] <= 2e-3 and d['top1_same'] >= 0.99 * d['tokens']
+    with duckdb.connect(r.catalog, read_only=True) as con:
+        n = con.execute("SELECT count(*) FROM hidden_index WHERE store = ?", [str(compact.resolve())]).fetchone()[0]
+    assert n == 24
+    assert not any(qwen3['spool'].glob('s-*.safetensors'))  # every spool file dropped once both stores had landed it
 
 
 _CHILD = """
 import sys
 from eagle3nb.engine_extract import extract_recipe_engine
 from eagle3nb.recipe import load_recipe
-extract_recipe_engine(load_recipe(sys.argv[1]), modes='bf16', splits='train', shard_mb=0.02, concurrency=2, progress=False)
+extract_recipe_engine(load_recipe(sys.argv[1]), modes=sys.argv[2], splits='train', shard_mb=0.02, concurrency=2, progress=False)
 """
 
-def test_kill9_mid_run_then_resume_nothing_lost_or_doubled(qwen3):
-    "SIGKILL the extraction while shards land; the rerun stores every sample exactly once, and drops or uses the spool files left"
-    tmp, ts = qwen3['tmp']/'kill', qwen3['ts']
+@pytest.mark.parametrize('modes', ['bf16', 'bf16,compact'])
+def test_kill9_mid_run_then_resume_nothing_lost_or_doubled(qwen3, modes):
+    """SIGKILL the extraction while shards land; the rerun stores every sample exactly once in every store, and drops or
+    uses the spool files left; with two modes, a sample is asked again only where some store lacks it"""
+    tmp, ts, ml = qwen3['tmp']/f"kill-{modes.replace(',', '-')}", qwen3['ts'], modes.split(',')
     r = recipe_for(tmp, 'qwen3-tiny', endpoints=[qwen3['srv'].base_url])
     r.phases = dict(extract=dict(spool=str(qwen3['spool'])))
     corpus(Path(r.data_root), ts['vocab_size'], 240, 16, 64, seed=1)
     path = save_recipe(r, tmp/'recipe.yaml')
-    store = Path(r.data_root)/'hidden'/'bf16'/'train'
-    p = subprocess.Popen([sys.executable, '-c', _CHILD, str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    while len(shard_files(store)) < 4 and p.poll() is None: time.sleep(0.05)  # ready: shards are landing
+    stores = {m: Path(r.data_root)/'hidden'/m/'train' for m in ml}
+    p = subprocess.Popen([sys.executable, '-c', _CHILD, str(path), modes], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    while len(shard_files(stores['bf16'])) < 4 and p.poll() is None: time.sleep(0.05)  # ready: shards are landing
     assert p.poll() is None, f'the run ended before the kill: {p.stderr.read().decode()[-2000:]}'
     p.send_signal(signal.SIGKILL); p.wait()
-    before = {x['sample_id'] for x in read_index(store)}
+    before = {m: {x['sample_id'] for x in read_index(d)} for m, d in stores.items()}
     left = list(qwen3['spool'].glob('s-*.safetensors'))
-    print(f'killed with {len(before)} of 240 samples stored, {len(left)} spool files left')
-    assert 0 < len(before) < 240
-    rows = extract_recipe_engine(r, modes='bf16', splits='train', progress=False, log=lambda *a: None)
-    assert rows[0]['skipped'] == len(before) and rows[0]['new_samples'] == 240 - len(before)
-    ids = [x['sample_id'] for x in read_index(store)]
-    assert len(ids) == 240 and set(ids) == {f'x1-{i:04d}' for i in range(240)}  # nothing lost, nothing doubled
-    rep = validate(store, corpus=load_from_disk(str(Path(r.data_root)/'corpus'/'train')))
-    assert rep['samples'] == 240 and not rep['problems']
+    print(f'killed with {[len(b) for b in before.values()]} of 240 samples stored, {len(left)} spool files left')
+    assert all(0 < len(b) < 240 for b in before.values())
+    rows = extract_recipe_engine(r, modes=modes, splits='train', progress=False, log=lambda *a: None)
+    assert [(x['skipped'], x['new_samples']) for x in rows] == [(len(before[m]), 240 - len(before[m])) for m in ml]
+    lack = 240 - len(set.intersection(*before.values()))  # samples some store lacks: each asked once, or read from the spool
+    assert lack - len(left) <= rows[0]['requests'] <= lack
+    for m, d in stores.items():
+        ids = [x['sample_id'] for x in read_index(d)]
+        assert len(ids) == 240 and set(ids) == {f'x1-{i:04d}' for i in range(240)}  # nothing lost, nothing doubled
+        rep = validate(d, corpus=load_from_disk(str(Path(r.data_root)/'corpus'/'train')))
+        assert rep['samples'] == 240 and not rep['problems']
     assert not any(qwen3['spool'].glob('s-*.safetensors'))
 
 
