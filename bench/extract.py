@@ -6,7 +6,8 @@
 --engine vllm: on each toy target, the same samples three ways, in one run: the engine's plain prefill (a vLLM server
 without extraction, one `max_tokens: 1` request per sample at --concurrency, nothing kept), the engine path
 (`engine_extract.extract_engine` against a vLLM server with `extract_hidden_states` and the hidden-states connector:
-requests, spool files, repack, shards) and our HF path (`extract.extract`, float32 like the engine's CPU server).
+requests, spool files, repack, shards), both modes of it from one pass (`extract_engine_modes`: one request per sample
+for the two stores, against the two passes above) and our HF path (`extract.extract`, float32 like the engine's CPU server).
 tok/s by wall clock; `vs prefill` = plain prefill time / that path's time; B/tok = shard bytes / tokens.
 
 Same samples, same length-bucketed batches (`extract.length_batches`, same token budget and max_pad), one process:
@@ -125,7 +126,7 @@ def engine_run(name, n, concurrency, topk):
     "Plain vLLM prefill vs extraction through vLLM vs the HF path, same samples, one run"
     from transformers import AutoConfig
     from eagle3nb.engine import VllmServer
-    from eagle3nb.engine_extract import EngineClient, extract_engine, extract_server
+    from eagle3nb.engine_extract import EngineClient, extract_engine, extract_engine_modes, extract_server
     from eagle3nb.recipe import default_aux_layers
     target = ensure_toy(name); cfg = AutoConfig.from_pretrained(target).get_text_config()
     H, V, N = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
@@ -143,6 +144,9 @@ def engine_run(name, n, concurrency, topk):
             t = timed(extract_engine, client, rows, tmp/f'vllm-{mode}', target, aux, mode, d2t if mode == 'compact' else None, topk,
                       concurrency, own_spool=True, progress=False)[0]
             res[f'vllm extract {mode}'] = (t, sum(f.stat().st_size for f in shard_files(tmp/f'vllm-{mode}')))
+        outs = {mode: tmp/f'vllm-both-{mode}' for mode in ('bf16', 'compact')}  # both stores from one pass: one request per sample
+        t = timed(extract_engine_modes, client, rows, outs, target, aux, d2t, topk, concurrency, own_spool=True, progress=False)[0]
+        res['vllm bf16+compact 1 pass'] = (t, sum(f.stat().st_size for o in outs.values() for f in shard_files(o)))
     m = load_target(target, dtype=torch.float32)
     extract(m, rows[:4], tmp/'warm-hf', aux_layers=aux)
     for mode in ('bf16', 'compact'):
@@ -164,11 +168,15 @@ def main():
     ap.add_argument('--engine', choices=['vllm']); ap.add_argument('--concurrency', type=int, default=8)
     a = ap.parse_args()
     if a.engine:
-        print(f"{'target':11} {'path':20} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'vs prefill':>10} {'B/tok':>8}")
+        print(f"{'target':11} {'path':25} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'vs prefill':>10} {'B/tok':>8}")
         for t in (a.targets if a.targets != ap.get_default('targets') else ['qwen3-tiny']):
-            for r in engine_run(t, a.n, a.concurrency, a.topk):
-                print(f"{r['target']:11} {r['path']:20} {r['tokens']:7d} {r['seconds']:8.2f} {r['tok_s']:8,.0f} {r['vs_prefill']:9.2f}x "
+            rs = engine_run(t, a.n, a.concurrency, a.topk); by = {r['path']: r['seconds'] for r in rs}
+            for r in rs:
+                print(f"{r['target']:11} {r['path']:25} {r['tokens']:7d} {r['seconds']:8.2f} {r['tok_s']:8,.0f} {r['vs_prefill']:9.2f}x "
                       + (f"{r['bpt']:8.1f}" if r['bpt'] else ''), flush=True)
+            two = by['vllm extract bf16'] + by['vllm extract compact']
+            print(f"{t}: bf16 and compact through vLLM, one pass {by['vllm bf16+compact 1 pass']:.2f} s vs two passes {two:.2f} s "
+                  f"({two / by['vllm bf16+compact 1 pass']:.2f}x)", flush=True)
         return
     print(f"{'target':12} {'H':>5} {'mode':8} {'tokens':>7} {'tok/s':>9} {'vs bare':>8} {'(CPU)':>7} {'B/tok':>8} {'plan':>7} {'8H':>6} {'B/tok / 8H':>10}")
     for t in a.targets:
