@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['MODES', 'SPLITS', 'load_target', 'target_id', 'capture', 'forward_states', 'draft_target_ids', 'topk_draft_probs',
-           'length_batches', 'NotEnoughDisk', 'preflight', 'rank_world', 'mine', 'extract', 'load_d2t', 'corpus_splits',
-           'extract_recipe']
+           'length_batches', 'NotEnoughDisk', 'preflight', 'rank_world', 'mine', 'extract_modes', 'extract', 'load_d2t',
+           'corpus_splits', 'extract_recipe']
 
 # %% ../nbs/50_extract.ipynb #be6f945d
 import hashlib, os, shutil, time, zlib
@@ -174,54 +174,69 @@ def _plan(model, samples, out_dir, aux_layers, mode, d2t, topk, target, template
                 skipped=sum(s in done for s in ids), bpt=bpt, need=bpt * sum(lens[j] for j in todo))
 
 # %% ../nbs/50_extract.ipynb #27810d7e
-def _one_batch(model, rows, P, wr, st, mode, w_draft, topk, dev):
-    "Forward one batch, hand each sample's unpadded rows to the writer, count tokens and forward time in `st`"
+def _one_batch(model, rows, P, sinks, st, topk, dev):
+    "Forward one batch, hand each sample's unpadded rows to every sink (mode) that lacks it, forward time in `st`"
     ids, mask, lens = _batch_inputs(rows, dev)
     tf = time.perf_counter()
     aux, final = forward_states(model, ids, P['aux_layers'], mask)  # (B, L, n_aux*H), (B, L, H)
     if dev.type == 'cuda': torch.cuda.synchronize(dev)
     st['forward_s'] += time.perf_counter() - tf
     for b, r in enumerate(rows):  # rows [:T] only: padding never reaches the store
-        wr.add(r['sample_id'], _sample_tensors(r, aux[b, :lens[b]], final[b, :lens[b]], mode, len(P['aux_layers']), w_draft, topk))
-    st['samples'] += len(rows); st['tokens'] += sum(lens)
+        for k in (k for k in sinks if r['sample_id'] in k['todo']):
+            k['wr'].add(r['sample_id'], _sample_tensors(r, aux[b, :lens[b]], final[b, :lens[b]], k['mode'], len(P['aux_layers']), k['w_draft'], topk))
+            k['st']['samples'] += 1; k['st']['tokens'] += lens[b]
 
 # %% ../nbs/50_extract.ipynb #0fd59a74
-def extract(model,                 # a loaded target (`load_target`)
-            samples,               # datasets.Dataset or list of dicts: sample_id, input_ids, loss_mask
-            out_dir,               # store folder (one per split)
-            aux_layers:list=None,  # input-of-layer ids; default [2, N//2, N-3]
-            mode:str='bf16',       # 'bf16' or 'compact'
-            d2t=None,              # (Vd,) draft vocab offsets; compact only; None: the whole target vocab
-            topk:int=64,           # compact: probabilities kept per token
-            token_budget:int=16384, # tokens per forward (batch size x longest sample)
-            max_pad:float=0.0,     # padded share allowed per batch (0 keeps results bit-exact)
-            shard_bytes:int=1<<30, # shard size
-            catalog=None,          # catalog file: record each shard's index rows in `hidden_index`
-            target:str='',         # target id for the metadata (`target_id`)
-            template_sha256:str='', # the chat template's hash, for the metadata
-            rank:int=None, world:int=None, # default: torchrun's RANK / WORLD_SIZE, else 0 / 1
-            on_batch=None,         # called with the running stats after each batch
-           )->dict:                # samples, tokens, seconds, tokens_per_s, forward_s, skipped, shards, bytes, planned_bytes
-    "Run the target over `samples` and store their hidden states in `out_dir`, resuming where a previous run stopped"
+def extract_modes(model,                 # a loaded target (`load_target`)
+                  samples,               # datasets.Dataset or list of dicts: sample_id, input_ids, loss_mask
+                  outs:dict,             # mode ('bf16' or 'compact') -> store folder, one split
+                  aux_layers:list=None,  # input-of-layer ids; default [2, N//2, N-3]
+                  d2t=None,              # (Vd,) draft vocab offsets; compact only; None: the whole target vocab
+                  topk:int=64,           # compact: probabilities kept per token
+                  token_budget:int=16384, # tokens per forward (batch size x longest sample)
+                  max_pad:float=0.0,     # padded share allowed per batch (0 keeps results bit-exact)
+                  shard_bytes:int=1<<30, # shard size
+                  catalog=None,          # catalog file: record each shard's index rows in `hidden_index`
+                  target:str='',         # target id for the metadata (`target_id`)
+                  template_sha256:str='', # the chat template's hash, for the metadata
+                  rank:int=None, world:int=None, # default: torchrun's RANK / WORLD_SIZE, else 0 / 1
+                  on_batch=None,         # called with the first mode's running stats after each batch
+                 )->dict:                # mode -> samples, tokens, seconds, tokens_per_s, forward_s, skipped, shards, bytes, planned_bytes
+    "Run the target over `samples` once and store their hidden states in every mode's store that lacks them, resuming where a run stopped"
     rank, world = rank_world(rank, world)
-    P = _plan(model, samples, out_dir, aux_layers, mode, d2t, topk, target, template_sha256, rank, world)
-    pre = preflight(out_dir, P['need'])
-    dev = next(model.parameters()).device
+    sinks = [dict(mode=m, out=Path(o), P=_plan(model, samples, o, aux_layers, m, d2t, topk, target, template_sha256, rank, world)) for m, o in outs.items()]
+    P = sinks[0]['P']
+    todo = sorted(set().union(*(k['P']['todo'] for k in sinks)))
+    pre = preflight(sinks[0]['out'], sum(k['P']['need'] for k in sinks))
+    dev, st = next(model.parameters()).device, dict(forward_s=0.0)
     w = model.get_output_embeddings().weight  # (V, H)
-    w_draft = w[P['tids'].to(w.device)] if mode == 'compact' else None  # (Vd, H)
-    if catalog: sync_index(catalog, out_dir)  # a run killed between a shard's rename and its index rows left a gap
-    on_shard = (lambda path, rows: record_index(catalog, out_dir, rows)) if catalog else None
-    wr = ShardWriter(out_dir, P['meta'], shard_bytes, prefix=f'r{rank:03d}', on_shard=on_shard)
-    st = dict(samples=0, tokens=0, skipped=P['skipped'], forward_s=0.0, planned_bytes=P['need'], free_bytes=pre['free_bytes'])
+    for k in sinks:
+        Pk, out = k['P'], k['out']
+        if catalog: sync_index(catalog, out)  # a run killed between a shard's rename and its index rows left a gap
+        on_shard = (lambda out: lambda path, rows: record_index(catalog, out, rows))(out) if catalog else None
+        k.update(todo={Pk['ids'][j] for j in Pk['todo']}, w_draft=w[Pk['tids'].to(w.device)] if k['mode'] == 'compact' else None,  # (Vd, H)
+                 wr=ShardWriter(out, Pk['meta'], shard_bytes, prefix=f'r{rank:03d}', on_shard=on_shard),
+                 st=dict(samples=0, tokens=0, skipped=Pk['skipped'], forward_s=0.0, planned_bytes=Pk['need'], free_bytes=pre['free_bytes']))
     t0 = time.perf_counter()
-    for batch in length_batches([P['lens'][j] for j in P['todo']], token_budget, max_pad):
-        _one_batch(model, [P['get'](P['todo'][b]) for b in batch], P, wr, st, mode, w_draft, topk, dev)
-        if on_batch: on_batch(st)
-    wr.flush()
-    st['seconds'] = time.perf_counter() - t0
-    st.update(tokens_per_s=st['tokens'] / max(st['seconds'], 1e-9), shards=[p.name for p in wr.written],
-              bytes=sum(p.stat().st_size for p in wr.written), bytes_per_token=P['bpt'])
-    return st
+    for batch in length_batches([P['lens'][j] for j in todo], token_budget, max_pad):
+        _one_batch(model, [P['get'](todo[b]) for b in batch], P, sinks, st, topk, dev)
+        for k in sinks: k['st']['forward_s'] = st['forward_s']
+        if on_batch: on_batch(sinks[0]['st'])
+    for k in sinks: k['wr'].flush()
+    secs = time.perf_counter() - t0
+    for k in sinks:
+        s, wr = k['st'], k['wr']
+        s.update(seconds=secs, tokens_per_s=s['tokens'] / max(secs, 1e-9), shards=[p.name for p in wr.written],
+                 bytes=sum(p.stat().st_size for p in wr.written), bytes_per_token=k['P']['bpt'])
+    return {k['mode']: k['st'] for k in sinks}
+
+def extract(model, samples, out_dir, # a loaded target; samples; the store folder (one split)
+            aux_layers:list=None, mode:str='bf16', d2t=None, topk:int=64, token_budget:int=16384, max_pad:float=0.0,
+            shard_bytes:int=1<<30, catalog=None, target:str='', template_sha256:str='', rank:int=None, world:int=None,
+            on_batch=None)->dict: # as `extract_modes`, one mode
+    "Run the target over `samples` and store their hidden states in `out_dir`, resuming where a previous run stopped"
+    return extract_modes(model, samples, {mode: out_dir}, aux_layers, d2t, topk, token_budget, max_pad, shard_bytes, catalog,
+                         target, template_sha256, rank, world, on_batch)[mode]
 
 # %% ../nbs/50_extract.ipynb #e3e57d1d
 def load_d2t(vocab_dir)->torch.Tensor|None:
@@ -293,11 +308,12 @@ def extract_recipe(recipe,              # recipe YAML path or resolved `Recipe`
     tid, tsha = target_id(r.target.model), template_sha256(load_tokenizer(r.target.model))
     model, (rank, world) = load_target(r.target.model, device_map=_device_map(device_map)), rank_world()
     rows = []
-    for mode in ml:
-        for s, ds in corpora.items():
-            out = root/'hidden'/mode/s
-            st = extract(model, ds, out, aux_layers=aux, mode=mode, d2t=d2t, topk=topk, token_budget=token_budget, max_pad=max_pad,
-                         shard_bytes=shard_mb << 20, catalog=r.catalog, target=tid, template_sha256=tsha)
+    for s, ds in corpora.items():  # every mode of a split from one forward per batch
+        outs = {mode: root/'hidden'/mode/s for mode in ml}
+        sts = extract_modes(model, ds, outs, aux_layers=aux, d2t=d2t, topk=topk, token_budget=token_budget, max_pad=max_pad,
+                            shard_bytes=shard_mb << 20, catalog=r.catalog, target=tid, template_sha256=tsha)
+        for mode, out in outs.items():
+            st = sts[mode]
             rep = validate(out, corpus=ds, expect=dict(mode=mode, target=tid, template_sha256=tsha, layer_ids=aux)) if world == 1 else {}
             rows.append(_row(mode, s, st, rep)); log(f'rank {rank}: {mode}/{s}: {st["samples"]} new samples, {st["tokens"]} tokens, {st["tokens_per_s"]:.0f} tokens/s')
-    return rows
+    return sorted(rows, key=lambda x: ml.index(x['mode']))  # mode by mode
