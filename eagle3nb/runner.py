@@ -171,7 +171,8 @@ HEADLINES = {  # phase key -> (json file in the run folder, its one-line result)
     'merge': ('merge', lambda j: f"corpus train {j['train']} / eval {j['eval']} samples"),
     'vocab': ('vocab', lambda j: f"draft vocab {j['draft_vocab']}, coverage {j['coverage']:.3f}"),
     'extract': ('extract', lambda j: ', '.join(f"{x['mode']} {x['split']} {x['samples']} samples, {x['disk_bytes'] / 2**20:.1f} MiB" for x in j)),
-    'train': ('accept', lambda j: f"eval accept length {j['eval all']['accept_est']:.2f} (simulated {j['eval all']['accept_sim']:.2f})"),
+    'train': ('accept', lambda j: f"eval accept length {j['eval all']['accept_est']:.2f} (simulated {j['eval all']['accept_sim']:.2f}), "
+                                  "offline on the eval split's stored text; verify measures it served"),
     'export': ('export', lambda j: f"{j['out']}: {'ok' if not j['problems'] else j['problems']}"),
     'doctor': ('doctor', lambda j: 'nothing to check' if j['passed'] is None else 'all checks passed' if j['passed'] else
                                    f"FAILED: {'; '.join(p['check'] for p in j['problems'])}"),
