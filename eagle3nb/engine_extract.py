@@ -18,7 +18,7 @@ import httpx, torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 from .engine import EngineError, VllmServer, engine_info, vllm_python
-from .extract import (_check_request, _plan, _row, _sample_tensors, corpus_splits, load_d2t, preflight, target_id)
+from .extract import (_check_request, _finish, _plan_modes, _row, _sample_tensors, corpus_splits, load_d2t, preflight, target_id)
 from .store import ShardWriter, done_ids, record_index, sync_index, validate
 from .recipe import Recipe, load_recipe
 
@@ -250,9 +250,8 @@ def extract_engine_modes(client:EngineClient,  # requests to the running engine
     "Store the hidden states the engine returns for `samples` in one store per mode, each sample asked once for every store that lacks it"
     from transformers import AutoConfig
     cfg = SimpleNamespace(config=AutoConfig.from_pretrained(model_dir))  # `_plan` reads only `model.config`
-    sinks = [dict(mode=m, out=Path(o), P=_plan(cfg, samples, o, aux_layers, m, d2t, topk, target, template_sha256, 0, 1)) for m, o in outs.items()]
+    sinks, todo = _plan_modes(cfg, samples, outs, aux_layers, d2t, topk, target, template_sha256, 0, 1)
     P = sinks[0]['P']; n_aux = len(P['aux_layers'])
-    todo = sorted(set().union(*(k['P']['todo'] for k in sinks)))
     reuse = _tidy_spool(client.spool, P['ids'], {P['ids'][j] for j in todo}, own_spool)
     spool_need = concurrency * max([P['lens'][j] for j in todo], default=0) * (n_aux + 1) * P['H'] * 4  # files in flight, fp32
     pre = preflight(sinks[0]['out'], sum(k['P']['need'] for k in sinks) + spool_need)
@@ -306,11 +305,8 @@ def _run(client, sinks, todo, n_aux, norm_w, eps, topk, concurrency, shard_bytes
         for k in sinks: k['wr'].flush()
         bar.close()
     secs = time.perf_counter() - t0
-    for k in sinks:
-        st, wr = k['st'], k['wr']
-        st.update(seconds=secs, forward_s=secs, tokens_per_s=st['tokens'] / max(secs, 1e-9), shards=[p.name for p in wr.written],
-                  bytes=sum(p.stat().st_size for p in wr.written), bytes_per_token=k['P']['bpt'], requests=client.n - n0)
-    return {k['mode']: k['st'] for k in sinks}
+    for k in sinks: k['st'].update(forward_s=secs, requests=client.n - n0)
+    return _finish(sinks, secs)
 
 # %% ../nbs/52_engine_extract.ipynb #c9b31631
 @contextmanager

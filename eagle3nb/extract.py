@@ -174,6 +174,19 @@ def _plan(model, samples, out_dir, aux_layers, mode, d2t, topk, target, template
                 skipped=sum(s in done for s in ids), bpt=bpt, need=bpt * sum(lens[j] for j in todo))
 
 # %% ../nbs/50_extract.ipynb #27810d7e
+def _plan_modes(model, samples, outs:dict, aux_layers, d2t, topk, target, template_sha256, rank, world):
+    "A `_plan` per mode's store (`sinks`), and the samples some store still lacks (their indices, in order)"
+    sinks = [dict(mode=m, out=Path(o), P=_plan(model, samples, o, aux_layers, m, d2t, topk, target, template_sha256, rank, world)) for m, o in outs.items()]
+    return sinks, sorted(set().union(*(k['P']['todo'] for k in sinks)))
+
+def _finish(sinks, secs:float)->dict:
+    "mode -> its stats, completed with the pass's wall time and what its writer wrote"
+    for k in sinks:
+        s, wr = k['st'], k['wr']
+        s.update(seconds=secs, tokens_per_s=s['tokens'] / max(secs, 1e-9), shards=[p.name for p in wr.written],
+                 bytes=sum(p.stat().st_size for p in wr.written), bytes_per_token=k['P']['bpt'])
+    return {k['mode']: k['st'] for k in sinks}
+
 def _one_batch(model, rows, P, sinks, st, topk, dev):
     "Forward one batch, hand each sample's unpadded rows to every sink (mode) that lacks it, forward time in `st`"
     ids, mask, lens = _batch_inputs(rows, dev)
@@ -204,9 +217,8 @@ def extract_modes(model,                 # a loaded target (`load_target`)
                  )->dict:                # mode -> samples, tokens, seconds, tokens_per_s, forward_s, skipped, shards, bytes, planned_bytes
     "Run the target over `samples` once and store their hidden states in every mode's store that lacks them, resuming where a run stopped"
     rank, world = rank_world(rank, world)
-    sinks = [dict(mode=m, out=Path(o), P=_plan(model, samples, o, aux_layers, m, d2t, topk, target, template_sha256, rank, world)) for m, o in outs.items()]
+    sinks, todo = _plan_modes(model, samples, outs, aux_layers, d2t, topk, target, template_sha256, rank, world)
     P = sinks[0]['P']
-    todo = sorted(set().union(*(k['P']['todo'] for k in sinks)))
     pre = preflight(sinks[0]['out'], sum(k['P']['need'] for k in sinks))
     dev, st = next(model.parameters()).device, dict(forward_s=0.0)
     w = model.get_output_embeddings().weight  # (V, H)
@@ -223,12 +235,7 @@ def extract_modes(model,                 # a loaded target (`load_target`)
         for k in sinks: k['st']['forward_s'] = st['forward_s']
         if on_batch: on_batch(sinks[0]['st'])
     for k in sinks: k['wr'].flush()
-    secs = time.perf_counter() - t0
-    for k in sinks:
-        s, wr = k['st'], k['wr']
-        s.update(seconds=secs, tokens_per_s=s['tokens'] / max(secs, 1e-9), shards=[p.name for p in wr.written],
-                 bytes=sum(p.stat().st_size for p in wr.written), bytes_per_token=k['P']['bpt'])
-    return {k['mode']: k['st'] for k in sinks}
+    return _finish(sinks, time.perf_counter() - t0)
 
 def extract(model, samples, out_dir, # a loaded target; samples; the store folder (one split)
             aux_layers:list=None, mode:str='bf16', d2t=None, topk:int=64, token_budget:int=16384, max_pad:float=0.0,
