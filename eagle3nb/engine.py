@@ -5,10 +5,10 @@
 # %% auto #0
 __all__ = ['ENGINE_VAR', 'SILENT_SIGNS', 'EngineNotFound', 'vllm_python', 'engine_available', 'engine_info', 'vllm_command',
            'engine_env', 'EngineError', 'VllmServer', 'root_cause', 'parse_counters', 'spec_counters', 'counter_delta',
-           'vllm_version', 'local_vllm', 'complete_ids', 'verify_served', 'mla_disable_for', 'serve_engine']
+           'vllm_version', 'run_vllm', 'complete_ids', 'verify_served', 'mla_disable_for', 'serve_engine']
 
 # %% ../nbs/05_engine.ipynb #c4683b49
-import json, os, re, shutil, signal, subprocess, tempfile, time, urllib.parse, urllib.request, urllib.error
+import json, os, re, shutil, signal, subprocess, tempfile, time, urllib.request, urllib.error
 from pathlib import Path
 from fastcore.basics import patch
 from .toy import PKG
@@ -244,9 +244,10 @@ def vllm_version(base_url:str, timeout:float=5.0)->str|None:
     except (OSError, ValueError): return None
     return v.get('version') if isinstance(v, dict) else None
 
-def local_vllm(base_url:str)->bool:
-    "Is `base_url` a vLLM server on this machine's loopback (a run's own server, fit to be a baseline beside one started here)?"
-    return urllib.parse.urlsplit(base_url).hostname in ('127.0.0.1', 'localhost', '::1') and vllm_version(base_url) is not None
+def run_vllm(r)->str|None:
+    "The URL of the run's own vLLM server of the target (`target.served_here`), fit to be a baseline beside one started here; else None"
+    u = r.target.endpoints[0] if r.target.served_here and r.target.endpoints else None
+    return u if u and vllm_version(u) is not None else None
 
 # %% ../nbs/05_engine.ipynb #14a189a2
 def complete_ids(base_url:str, model:str, prompts:list, max_tokens:int=64, concurrency:int=4)->list: # token ids per prompt
