@@ -4,9 +4,9 @@
 
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'LOCK_TIMEOUT', 'SAMPLE_COLUMNS', 'STATES', 'RUN_STATUSES', 'TABLES', 'catalog_path', 'lock_holder',
-           'describe_pid', 'CatalogLocked', 'connect', 'record_dataset', 'upsert_samples', 'partition', 'repartition',
-           'set_state', 'state_counts', 'todo', 'record_run', 'query', 'samples_df', 'length_quantiles', 'snapshot',
-           'plot_lengths']
+           'describe_pid', 'CatalogLocked', 'CatalogUnreadable', 'connect', 'record_dataset', 'upsert_samples',
+           'partition', 'repartition', 'set_state', 'state_counts', 'todo', 'record_run', 'query', 'samples_df',
+           'length_quantiles', 'snapshot', 'plot_lengths']
 
 # %% ../nbs/01_catalog.ipynb #1d6defe2
 import json, os, re, time
@@ -59,9 +59,21 @@ class CatalogLocked(RuntimeError):
             "(an in-memory copy) open instead of a connection to the file.")
 
 # %% ../nbs/01_catalog.ipynb #91936f65
+class CatalogUnreadable(ValueError):
+    "A `catalog:` path that holds no DuckDB database: a folder, or a file of another kind"
+
+def _unreadable(path:Path, e=None)->CatalogUnreadable:
+    "The one line for a catalog path DuckDB cannot open: which file, why, and what to do (the file is kept)"
+    if path.is_dir(): why = 'is a folder, not a DuckDB file'
+    elif e is None or 'not a valid DuckDB' in str(e): why = 'is not a DuckDB database (a file of another kind, or a damaged one)'
+    else: why = f"cannot be opened ({str(e).splitlines()[0]})"
+    return CatalogUnreadable(f"catalog {path} {why}: point the recipe's `catalog:` at the catalog file eagle3nb made, "
+                             "or at a new file path (it is created); the file is kept")
+
 def _open(path:Path, read_only:bool, timeout:float):
     "duckdb.connect, retried while another process holds a conflicting lock"
     t0, pause = time.monotonic(), 0.05
+    if path.is_dir(): raise _unreadable(path)
     while True:
         try: return duckdb.connect(str(path), read_only=read_only)
         except duckdb.ConnectionException as e:
@@ -69,7 +81,7 @@ def _open(path:Path, read_only:bool, timeout:float):
             if read_only: return duckdb.connect(str(path))  # this process has it read-write: share that instance
             raise CatalogLocked(path, os.getpid(), False, 0, holder_read_only=True) from e
         except duckdb.IOException as e:
-            if 'Could not set lock' not in str(e): raise
+            if 'Could not set lock' not in str(e): raise _unreadable(path, e) from None
             waited = time.monotonic() - t0
             if waited >= timeout: raise CatalogLocked(path, lock_holder(str(e)), read_only, waited, 'read-only mode' in str(e)) from e
             time.sleep(min(pause, timeout - waited)); pause = min(2*pause, 1.0)
@@ -80,7 +92,7 @@ SAMPLE_COLUMNS = dict(sample_id='VARCHAR PRIMARY KEY', conversation_id='VARCHAR'
     total_tokens='INTEGER', has_think='BOOLEAN', has_tools='BOOLEAN',
     partition="VARCHAR CHECK (partition IN ('main', 'long', 'excluded'))", exclusion_reason='VARCHAR')
 STATES = ('pending', 'running', 'done', 'failed', 'skipped')  # a sample's state in one phase
-RUN_STATUSES = ('running', 'ok', 'failed')                     # a phase run's status
+RUN_STATUSES = ('running', 'ok', 'failed', 'interrupted')                     # a phase run's status
 
 _DDL = [
     "CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR)",

@@ -18,6 +18,8 @@ def _ints(s:str, flag:str)->list:
 def _draft_dir(d)->Path:
     "An exported draft folder (with its config.json), else `FileNotFoundError`"
     if not (Path(d)/'config.json').is_file(): raise FileNotFoundError(f"{d}: no exported draft here (no config.json); run `eagle3nb export CHECKPOINT --out {d}` first")
+    from eagle3nb.recipe import read_json
+    read_json(Path(d)/'config.json', f"the draft's config.json is damaged: export it again (eagle3nb export CHECKPOINT --out {d})")
     return Path(d)
 
 _POSITIVE = ('limit', 'count', 'tp', 'num_steps', 'topk', 'draft_vocab', 'token_budget', 'n', 'max_tokens', 'port', 'num_speculative_tokens')  # counts and sizes
@@ -26,6 +28,7 @@ def _check_args(a):
     "Refuse what no verb can use, naming the option: a count below 1, a model, draft or target folder that is not one"
     import re
     from eagle3nb.recipe import model_dir
+    if (v := getattr(a, 'port', None)) is not None and not 1 <= v <= 65535: raise ValueError(f"--port {v}: give a port from 1 to 65535")
     for k in _POSITIVE:
         if (v := getattr(a, k, None)) is not None and v < 1: raise ValueError(f"{'-n' if k == 'n' else '--' + k.replace('_', '-')} {v}: give a positive integer")
     if a.verb == 'serve' and not re.fullmatch(r'[\w.-]+/[\w.-]+', a.model_dir): model_dir(a.model_dir, 'model_dir')  # a hub id is the server's to fetch
@@ -39,7 +42,7 @@ def _check_args(a):
 def _run(a):
     "eagle3nb run RECIPE: execute the recipe's phase notebooks"
     from eagle3nb.runner import run
-    run(a.recipe, run_id=a.run_id, phases=a.phases.split(',') if a.phases else None, serve=not a.no_serve)
+    run(a.recipe, run_id=a.run_id, phases=a.phases.split(',') if a.phases is not None else None, serve=not a.no_serve)
 
 def _toy_build(a):
     "eagle3nb toy build NAME [--trained] [--out DIR]: build an offline tiny target (default: into the toy cache)"
@@ -247,6 +250,59 @@ def parser()->argparse.ArgumentParser:
     c.add_argument('--elsewhere', action='store_true', help='a recipe for another machine: check schema, formats and phase parameters, not its paths')
     return p
 
+# %% ../nbs/99_cli.ipynb #d1965841
+import errno
+
+def _flag_names(p:argparse.ArgumentParser, a)->dict:
+    "dest -> the option or argument as the user wrote it (`--out`, `RECIPE`), in the subcommand `a` ran"
+    out = {}
+    for act in p._actions:
+        if isinstance(act, argparse._SubParsersAction):
+            if (name := getattr(a, act.dest, None)) in act.choices: out.update(_flag_names(act.choices[name], a))
+        elif act.dest != 'help': out[act.dest] = max(act.option_strings, key=len) if act.option_strings else act.dest.upper()
+    return out
+
+def _flag_of(a, path, flags:dict)->tuple:
+    "The option of `a` whose value is `path`, under it or above it, and that value: `('--out', 'out/x')`; `('', None)`"
+    p, best, n = os.path.abspath(path), ('', None), 0
+    for k, v in vars(a).items():
+        if k not in flags or not isinstance(v, (str, Path)) or not str(v): continue
+        q = os.path.abspath(v)
+        near = p == q or p.startswith(q.rstrip(os.sep) + os.sep) or q.startswith(p.rstrip(os.sep) + os.sep)
+        if near and len(q) > n: best, n = (flags[k], q), len(q)
+    return best
+
+def _short(path:Path)->str:
+    "`path` with each name over 40 characters cut (a too-long name would fill the terminal)"
+    return os.sep.join(f"{c[:16]}...({len(c.encode())} bytes)" if len(c) > 40 else c for c in str(path).split(os.sep))
+
+_OS_WHY = {errno.EACCES: 'permission denied; give a path you may write (or read), or change its permissions',
+           errno.EPERM: 'operation not permitted; give a path you may write, or change its permissions',
+           errno.EROFS: 'on a read-only file system; give a path on a writable disk',
+           errno.ENOSPC: 'no space left on the disk; free some, or give a path on another disk',
+           errno.EDQUOT: 'disk quota exceeded; free some space, or give a path on another disk',
+           errno.EISDIR: "a folder where a file is needed; give the file's path",
+           errno.ENOENT: 'no such file or folder; check the path',
+           errno.EEXIST: 'already exists; give a new path',
+           errno.ELOOP: 'too many levels of symbolic links; check the links in this path'}
+
+def _os_message(e:OSError,   # an OSError that names a path (`e.filename`)
+                flag:str='',  # the option that gave the path, e.g. `--out`
+                given=None,   # the option's value, when it is below `e.filename` (`--out f/x` where `f` is a file)
+               )->str:
+    "One line for an OSError a path caused: the option, the path, what is wrong with it, what to do"
+    path = Path(os.fsdecode(e.filename))
+    if given and str(given).startswith(str(path).rstrip(os.sep) + os.sep): path = Path(given)
+    who = f"{flag} " if flag else ''
+    if e.errno == errno.ENAMETOOLONG:
+        n = max(len(c.encode()) for c in path.parts)
+        return f"{who}{_short(path)}: a name in this path is {n} bytes long, more than the file system allows (255); give a shorter name"
+    up = next((q for q in (path, *path.parents) if os.path.lexists(q)), None)  # the nearest part that is there
+    if e.errno in (errno.ENOTDIR, errno.EEXIST) and up is not None and not up.is_dir():
+        if up == path: return f"{who}{path}: is a file, not a folder; give a folder (the file is kept)"
+        return f"{who}{path}: {up} is a file, not a folder; give a path under a folder (the file is kept)"
+    return f"{who}{path}: {_OS_WHY.get(e.errno, f'{e.strerror}; check the path')}"
+
 # %% ../nbs/99_cli.ipynb #0d9fee94
 def _user_errors():
     "Exception types whose message is the whole story"
@@ -256,14 +312,40 @@ def _user_errors():
     from eagle3nb.catalog import CatalogLocked
     from eagle3nb.export import ExportError
     from eagle3nb.engine import EngineError
-    # ValueError covers RecipeError, PrepareError, ExportError and the phases' checks of their inputs, whose
-    # messages name the bad value and what to do; EAGLE3NB_DEBUG=1 brings the traceback back
+    # ValueError covers RecipeError, PrepareError, BadFile (a file that does not parse: JSON, YAML, UTF-8), json's and
+    # UTF-8's own errors and the phases' checks of their inputs, whose messages name the bad value and what to do;
+    # an OSError naming a path is the user's too (`_os_message`); EAGLE3NB_DEBUG=1 brings the traceback back
     return (EngineError, RecipeError, PhaseFailed, ServerNotReady, ModelMismatch, CatalogLocked, ExportError, FileNotFoundError, FileExistsError, ValueError)
+
+def _user_message(e:Exception, a, flags:dict)->str|None:
+    "The one line for an exception a user caused; None for a bug, which keeps its traceback"
+    if isinstance(e, OSError) and e.errno and isinstance(e.filename, (str, bytes, os.PathLike)):
+        return _os_message(e, *_flag_of(a, os.fsdecode(e.filename), flags))
+    if isinstance(e, _user_errors()): return str(e)
+    return None
+
+_KEPT = dict(run='the phases that finished are kept in the run folder; rerun with the same --run-id to resume',
+             generate='the answers received so far are kept; rerun the same command to resume',
+             extract='the shards written so far are kept; rerun the same command to resume',
+             serve='the server is stopped; start it again with the same command')
+
+def _interrupted(a)->str:
+    "What a Ctrl-C left: what is kept and how to go on"
+    return _KEPT.get(a.verb, 'no output was published and what was there before is kept; rerun the same command')
 
 def main(argv=None):
     "Entry point of the `eagle3nb` command"
-    a = parser().parse_args(argv)
-    try: _check_args(a); a.fn(a)
-    except _user_errors() as e:
+    p = parser()
+    a = p.parse_args(argv)
+    try:
+        _check_args(a)
+        a.fn(a)
+    except KeyboardInterrupt:
         if os.environ.get('EAGLE3NB_DEBUG'): raise
-        print(f'eagle3nb {a.verb}: error: {e}', file=sys.stderr); sys.exit(1)
+        print(f'eagle3nb {a.verb}: interrupted (Ctrl-C): {_interrupted(a)}', file=sys.stderr)
+        sys.exit(130)
+    except Exception as e:
+        msg = None if os.environ.get('EAGLE3NB_DEBUG') else _user_message(e, a, _flag_names(p, a))
+        if msg is None: raise
+        print(f'eagle3nb {a.verb}: error: {msg}', file=sys.stderr)
+        sys.exit(1)

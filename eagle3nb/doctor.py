@@ -20,7 +20,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 from .draft import ENGINE_HEAD_SIZES, FLASHINFER_HEAD_SIZES, new_draft, _rope_scaling
 from .export import export_draft, flag_mismatches, sglang_problem, ARCH_NAMES, MLA_KEYS, FLAGS
-from .recipe import default_aux_layers
+from .recipe import default_aux_layers, check_aux_layers, RecipeError, aux_rule
 from .render import load_tokenizer, template_sha256, tokenizer_sha256
 from .train import save_checkpoint, TrainConfig, target_tensors
 from .vocab import family_special_ids, vocab_maps
@@ -312,8 +312,8 @@ def check_aux_layer_ids(x:DraftExport)->list:
         why = (f"off by one: SGLang adds 1 to its ids, so it captures {[k + 1 for k in s]} while vLLM captures {v}" if _shifted([k + 1 for k in s], v)
                else f"SGLang (ids + 1 = {[k + 1 for k in s]}) and vLLM ({v}) capture different layers")
         out.append(finding(n, 'FAIL', f"eagle_config ids {s} are not the top-level ids {v} minus 1: {why}; one engine feeds the draft the wrong layers: low acceptance, no error. Set eagle_config.eagle_aux_hidden_state_layer_ids to {[k - 1 for k in v]}."))
-    if len(v) != 3 or v != sorted(set(v)) or not all(1 <= k <= N - 1 for k in v):
-        out.append(finding(n, 'FAIL', f"aux ids {v} must be 3 distinct increasing input-of-layer ids within [1, {N-1}] for this {N}-layer target: the draft was made for another target or the config is corrupt. Re-export with the training aux layers."))
+    try: check_aux_layers(v, N, 'eagle_aux_hidden_state_layer_ids')
+    except RecipeError as e: out.append(finding(n, 'FAIL', f"{e}: the draft was made for another target or the config is corrupt. Re-export with the training aux layers."))
     r = x.record
     a = [int(k) for k in r.get('aux_layers') or []] if r is not None else None
     if r is None: out.append(finding(n, 'n/a', _no_record(x.dir)))

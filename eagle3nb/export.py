@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from .recipe import default_aux_layers
+from .recipe import default_aux_layers, check_aux_layers, RecipeError
 
 # %% ../nbs/70_export.ipynb #1a3374a6
 class ExportError(Exception): "A checkpoint that cannot be exported, or an export folder that fails its checks"
@@ -23,15 +23,22 @@ def read_checkpoint(ckpt_dir)->tuple: # state dict, draft config dict
     "The tensors and the `DraftConfig` dict of a training checkpoint folder"
     f = Path(ckpt_dir)/'model.safetensors'
     if not f.exists(): raise ExportError(f"no model.safetensors in {ckpt_dir}")
-    with safe_open(str(f), 'pt') as s: meta = s.metadata() or {}
-    if 'draft_config' not in meta: raise ExportError(f"{f} has no draft_config metadata: not a training checkpoint")
-    return load_file(str(f)), json.loads(meta['draft_config'])
+    from safetensors import SafetensorError
+    from .recipe import bad_file
+    hint = "the checkpoint is truncated or damaged (a copy cut short?): export another step's checkpoint, or copy this one again"
+    try:
+        with safe_open(str(f), 'pt') as s: meta = s.metadata() or {}
+        sd = load_file(str(f)) if 'draft_config' in meta else None
+    except SafetensorError as e: raise bad_file(f, e, hint, 'safetensors') from None
+    if sd is None: raise ExportError(f"{f} has no draft_config metadata: not a training checkpoint")
+    try: return sd, json.loads(meta['draft_config'])
+    except json.JSONDecodeError as e: raise bad_file(f"{f} (metadata draft_config)", e, hint) from None
 
 # %% ../nbs/70_export.ipynb #9ca1a629
 def engine_aux_ids(aux_layers)->dict: # {'vllm': [...], 'sglang': [...]}
     "Our input-of-layer aux ids in vLLM's convention (same) and SGLang's (`k - 1`, the engine adds 1 back)"
-    aux = [int(k) for k in aux_layers]
-    if len(aux) != 3 or min(aux) < 1: raise ExportError(f"need three aux layer ids >= 1 (input-of-layer), got {aux}")
+    try: aux = check_aux_layers([int(k) for k in aux_layers], None, 'aux layers')
+    except RecipeError as e: raise ExportError(str(e)) from None
     return dict(vllm=aux, sglang=[k - 1 for k in aux])
 
 # %% ../nbs/70_export.ipynb #b6dd3dc7
@@ -98,23 +105,29 @@ def training_record(data_root,            # the recipe's data root, e.g. data/<r
                     target_dir=None,      # the target model folder (recorded as is)
                    )->dict:
     "What the draft was trained on: aux layers of its hidden states, chat-template hashes, supervised special tokens"
+    from safetensors import SafetensorError
+    from .recipe import bad_file, read_json
     root = Path(data_root)
-    rendered = [json.loads(p.read_text()) for p in sorted((root/'rendered').glob('*/render.json'))]
+    again = lambda verb: f"it is damaged: run `eagle3nb {verb}` for this recipe again (with --force)"
+    rendered = [read_json(p, again('render')) for p in sorted((root/'rendered').glob('*/render.json'))]
     if not rendered: raise ExportError(f"{root}/rendered has no render.json: give the recipe's data root (data/<recipe>) after the render phase")
     shard_meta = []
     for mode in sorted((root/'hidden').glob('*')):
         if shards := sorted((mode/'train').glob('*.safetensors')):
-            with safe_open(str(shards[0]), 'pt') as s: shard_meta.append({k: json.loads(v) for k, v in (s.metadata() or {}).items()})
+            try:
+                with safe_open(str(shards[0]), 'pt') as s: shard_meta.append({k: json.loads(v) for k, v in (s.metadata() or {}).items()})
+            except (SafetensorError, json.JSONDecodeError) as e: raise bad_file(shards[0], e, again('extract'), 'safetensors') from None
     aux = _distinct(tuple(m['layer_ids']) for m in shard_meta if 'layer_ids' in m)
     if len(aux) > 1: raise ExportError(f"{root}/hidden: stores extracted at different aux layers {aux}; re-extract one of them")
     vj = root/'vocab'/'vocab.json'
-    special = {t: u['id'] for t, u in json.loads(vj.read_text()).get('special_used', {}).items()} if vj.exists() else {}
+    vocab = read_json(vj, again('vocab')) if vj.exists() else {}
+    special = {t: u['id'] for t, u in vocab.get('special_used', {}).items()}
     toks = _distinct(m['params'].get('tokenizer_sha256') for m in rendered)
     return dict(format=1, data_root=str(root.resolve()), checkpoint=str(checkpoint_dir) if checkpoint_dir else None,
                 target=str(target_dir) if target_dir else None, aux_layers=list(aux[0]) if aux else None,
                 template_sha256=_distinct([m['params'].get('template_sha256') for m in rendered] + [m.get('template_sha256') for m in shard_meta]),
                 tokenizer_sha256=toks[0] if len(toks) == 1 else None, special_tokens=special,
-                draft_vocab_size=json.loads(vj.read_text()).get('draft_vocab') if vj.exists() else None)
+                draft_vocab_size=vocab.get('draft_vocab'))
 
 def _aux_for(aux_layers, rec, n_layers)->list:
     "The aux ids to write: the hidden states' when known (a different request is refused), else the given ones or the default"
@@ -125,17 +138,12 @@ def _aux_for(aux_layers, rec, n_layers)->list:
     return [int(k) for k in aux_layers] if aux_layers is not None else (known or default_aux_layers(n_layers))
 
 # %% ../nbs/70_export.ipynb #fb0c8934
-from .recipe import claim_output, mark_output
-
-def _is_export(d:Path)->bool:
-    "An export written before the output marker existed"
-    names = {p.name for p in d.iterdir()}
-    try: arch = json.loads((d/'config.json').read_text()).get('architectures') or []
-    except (OSError, ValueError, AttributeError): return False
-    return names <= {'config.json', 'model.safetensors', 'eagle3nb.json'} and any('Eagle3' in a for a in arch)
+from .recipe import claim_output, publishing
 
 def _check_aux_range(aux, n_layers:int):
-    if max(aux) >= n_layers: raise ExportError(f"aux layer {max(aux)} is beyond the target's {n_layers} layers: input-of-layer ids go from 1 to {n_layers - 1}")
+    "`ExportError` unless `aux` follows `recipe.aux_rule` for an `n_layers`-layer target"
+    try: check_aux_layers(aux, n_layers, '--aux-layers')
+    except RecipeError as e: raise ExportError(str(e)) from None
 
 # %% ../nbs/70_export.ipynb #d03fe03b
 def export_draft(checkpoint_dir,   # a `checkpoints/step_N` folder
@@ -145,7 +153,7 @@ def export_draft(checkpoint_dir,   # a `checkpoints/step_N` folder
                  data_root=None,   # the recipe's data root: writes the training record `eagle3nb.json` that `doctor` reads
                 )->dict:
     "Write `config.json` and bf16 `model.safetensors` for the engines (and `eagle3nb.json`); return the config"
-    out = claim_output(out_dir, 'export', own=_is_export)
+    out = claim_output(out_dir, 'export')
     sd, dc = read_checkpoint(checkpoint_dir)
     t = _target_text_cfg(target_dir)
     if dc['vocab_size'] != t.vocab_size: raise ExportError(f"draft vocab_size {dc['vocab_size']} != target's {t.vocab_size}")
@@ -153,14 +161,10 @@ def export_draft(checkpoint_dir,   # a `checkpoints/step_N` folder
     aux = _aux_for(aux_layers, rec, t.num_hidden_layers); _check_aux_range(aux, t.num_hidden_layers)
     cfg = export_config(dc, aux)
     ts = export_tensors(sd, t.hidden_size, dc)
-    tmp, old = out.with_name(f'.{out.name}.tmp'), out.with_name(f'.{out.name}.old')
-    shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True); mark_output(tmp, 'export')
-    save_file(ts, str(tmp/'model.safetensors'), metadata={'format': 'pt'})
-    (tmp/'config.json').write_text(json.dumps(cfg, indent=2) + '\n')
-    if rec: (tmp/'eagle3nb.json').write_text(json.dumps({**rec, 'aux_layers': aux}, indent=1) + '\n')
-    shutil.rmtree(old, ignore_errors=True)
-    if out.exists(): out.rename(old)  # the old export stays whole until the new one is in place
-    os.replace(tmp, out); shutil.rmtree(old, ignore_errors=True)
+    with publishing(out, 'export') as tmp:  # the old export stays whole until the new one is in place
+        save_file(ts, str(tmp/'model.safetensors'), metadata={'format': 'pt'})
+        (tmp/'config.json').write_text(json.dumps(cfg, indent=2) + '\n')
+        if rec: (tmp/'eagle3nb.json').write_text(json.dumps({**rec, 'aux_layers': aux}, indent=1) + '\n')
     return cfg
 
 # %% ../nbs/70_export.ipynb #471b8865

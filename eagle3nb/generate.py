@@ -7,9 +7,10 @@ __all__ = ['GEN_DEFAULTS', 'FINISHED', 'CAPS_LADDER', 'STATE_OF', 'gen_params', 
            'finished_ids', 'Job', 'prompt_ids_of', 'budget', 'chat_history', 'partitions_of', 'load_jobs',
            'fail_record', 'ok_record', 'raw_body', 'chat_body', 'Retryable', 'Permanent', 'check_response',
            'backoff_delay', 'EndpointPool', 'post_json', 'ClientPool', 'with_retries', 'probe_caps', 'Run',
-           'prompt_text', 'do_job', 'replay', 'regenerate_turns', 'run_partition', 'latest', 'sync_catalog', 'run_jobs',
-           'run_sync', 'summary', 'generate', 'default_length', 'FakeTarget', 'http_response', 'write_prompts',
-           'demo_recipe', 'generate_recipe', 'main', 'records_df', 'plot_run', 'completion_ids', 'completed_samples']
+           'prompt_text', 'do_job', 'response_texts', 'response_problem', 'replay', 'regenerate_turns', 'run_partition',
+           'latest', 'sync_catalog', 'run_jobs', 'run_sync', 'summary', 'generate', 'default_length', 'FakeTarget',
+           'http_response', 'write_prompts', 'demo_recipe', 'generate_recipe', 'main', 'records_df', 'plot_run',
+           'completion_ids', 'completed_samples']
 
 # %% ../nbs/30_generate.ipynb #c4876484
 import asyncio, json, os, random, socket, sys, threading, time
@@ -315,6 +316,7 @@ class Run:
     thinking:bool=True; tok:object=None  # tokenizer, or a function that loads it (text prompts only)
     stats:Counter=field(default_factory=Counter); pending:list=field(default_factory=list); marks:dict=field(default_factory=dict)
     log:list=field(default_factory=list)  # (finish time, partition, status, completion tokens)
+    special:tuple=None  # the target's special tokens (`target.special_texts`), found on first use
 
 def prompt_text(run:Run, j:Job)->str:
     "`j.prompt`, decoded from its ids with special tokens on first use"
@@ -345,6 +347,7 @@ async def do_job(run:Run, j:Job)->dict:
         else:
             js, n = await with_retries(lambda: _send(run, j, used), run.p, run.stats)
             rec = ok_record(j, js, run.p['mode'], run.pool.caps.get(used[-1], {}), run.p['on_length'], attempts=n, endpoint=used[-1])
+        if run.p['mode'] == 'chat' and (why := response_problem(rec, response_texts(run))): rec.update(status='dropped', error=why)
         rec.update(started=t0, finished=time.time())
     except Permanent as e: rec = fail_record(j, str(e), len(used))
     run.writer.write(rec); run.pending.append(rec)
@@ -353,6 +356,24 @@ async def do_job(run:Run, j:Job)->dict:
     st[f"failed_{p}"] += rec['status'] == 'failed'
     run.log.append((rec['finished'], j.partition, rec['status'], rec.get('completion_tokens') or 0))
     return rec
+
+# %% ../nbs/30_generate.ipynb #8f5efc69
+def response_texts(run:Run)->tuple:
+    "The target's special tokens, from its tokenizer (loaded on first use); every family's control strings without one"
+    if run.special is None:
+        from eagle3nb.target import special_texts
+        if callable(run.tok) and not hasattr(run.tok, 'decode'): run.tok = run.tok()
+        run.special = special_texts(run.tok)
+    return run.special
+
+def response_problem(rec:dict, # a chat-mode record (`ok_record`, or `regenerate_turns`' with its `turns`)
+                     texts, # the target's special tokens
+                    )->str|None: # the reason to drop it, None when its texts hold none
+    "Which text of the target's answer in `rec` holds one of its special tokens"
+    from eagle3nb.schema import special_in_message
+    if rec.get('status') not in FINISHED or rec.get('mode') != 'chat': return None
+    if 'turns' not in rec: return (w := special_in_message(rec, texts)) and f'response {w}'
+    return next((f'response turn {k} {w}' for k, t in enumerate(rec['turns']) if (w := special_in_message(t, texts))), None)
 
 # %% ../nbs/30_generate.ipynb #37dedcf7
 def replay(recorded:list, # the recorded messages after an assistant turn, up to the next one
@@ -720,14 +741,15 @@ def completed_samples(rendered_dir, # the dataset's rendered samples (prompt-onl
                       tok,          # the target's tokenizer
                      )->dict:       # counts
     "Write `shards_dir/samples`: prompt-only samples completed with the target's finished `ok` responses"
-    import shutil
     from datasets import Dataset, load_from_disk
+    from eagle3nb.recipe import publishing  # a fresh temp name; only generate's own samples are replaced
     ds, ok = load_from_disk(str(rendered_dir)), {k: v for k, v in latest(read_shards(Path(shards_dir).parent, Path(shards_dir).name)).items() if v['status'] == 'ok'}
     rows = []
     for s in ds.filter(lambda x: x['prompt_only'] and x['sample_id'] in ok):
         ids, n = completion_ids(ok[s['sample_id']], tok), len(s['input_ids'])
         rows.append({**s, 'input_ids': s['input_ids'] + ids, 'loss_mask': [0]*n + [1]*len(ids), 'spans': [[n, n + len(ids)]],
                      'prompt_tokens': n, 'completion_tokens': len(ids), 'n_events': 1, 'prompt_only': False})
-    out = Path(shards_dir)/'samples'; tmp = out.with_name('.samples.tmp'); shutil.rmtree(tmp, ignore_errors=True)
-    if rows: Dataset.from_list(rows, features=ds.features).save_to_disk(str(tmp)); shutil.rmtree(out, ignore_errors=True); tmp.rename(out)
+    out = Path(shards_dir)/'samples'
+    if rows:
+        with publishing(out, 'generate') as tmp: Dataset.from_list(rows, features=ds.features).save_to_disk(str(tmp))
     return dict(responses=len(ok), samples=len(rows), tokens=sum(r['completion_tokens'] for r in rows))

@@ -170,22 +170,16 @@ def merge_corpus(sources,              # merge inputs, oldest first: Datasets, o
     return ds.select(tr).select_columns(cols), ds.select(ev).select_columns(cols), report, fates
 
 # %% ../nbs/40_merge.ipynb #db2ee186
-from .recipe import claim_output  # the corpus folder is replaced only when it holds a corpus
+from .recipe import claim_output, publishing  # the corpus folder is replaced only when merge wrote it
 
 # %% ../nbs/40_merge.ipynb #03790e8e
-def _swap(tmp:Path, dst:Path):
-    "Rename the finished `tmp` to `dst`, replacing what was there"
-    old = dst.with_name(f'.{dst.name}.old'); shutil.rmtree(old, ignore_errors=True)
-    if dst.exists(): dst.rename(old)
-    tmp.rename(dst); shutil.rmtree(old, ignore_errors=True)
-
 def save_corpus(out_dir, train, eval, manifest:dict)->Path: # out_dir
     "Write the splits and `corpus.json` to `out_dir` atomically"
-    out = claim_output(out_dir, 'merge', own=('corpus.json',)); tmp = out.with_name(f'.{out.name}.tmp'); shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
-    for name, d in dict(train=train, eval=eval).items():
-        d.save_to_disk(str(tmp/name), num_shards=None if len(d) else 1)  # datasets cannot load zero shards back
-    (tmp/'corpus.json').write_text(json.dumps(manifest, indent=1, default=str))
-    _swap(tmp, out)
+    out = claim_output(out_dir, 'merge')
+    with publishing(out, 'merge') as tmp:
+        for name, d in dict(train=train, eval=eval).items():
+            d.save_to_disk(str(tmp/name), num_shards=None if len(d) else 1)  # datasets cannot load zero shards back
+        (tmp/'corpus.json').write_text(json.dumps(manifest, indent=1, default=str))
     return out
 
 def read_corpus_manifest(out_dir)->dict|None:
@@ -260,6 +254,7 @@ def merge_recipe(r,                  # resolved recipe (see `recipe.load_recipe`
     from .recipe import fingerprint
     p, out = merge_params(r, **over), Path(r.data_root)/'corpus'
     inputs = merge_inputs(r, p['extra']); check_same_target(inputs)
+    claim_output(out, 'merge')  # before the work: a folder merge did not write is refused at once
     srcs = {k: load_from_disk(str(v)) for k, v in inputs.items()}
     excluded = catalog_exclusions(r.catalog)
     fp = fingerprint(dict(params=p, inputs={k: d._fingerprint for k, d in srcs.items()}, excluded=sorted(excluded.items())))

@@ -289,9 +289,9 @@ def md_table(rows:list, # dicts, one per row
 
 # %% ../nbs/90_plan.ipynb #3f1d944b
 def _q(s)->str:
-    "Shell-quoted unless plain"
+    "Shell-quoted unless plain ASCII: a name with a space, a `;`, a `$` or a non-ASCII letter is one word, never code"
     s = str(s)
-    return s if re.fullmatch(r'[\w@%+=:,./$-]+', s) else "'" + s.replace("'", "'\\''") + "'"
+    return s if re.fullmatch(r'[\w@%+=:,./-]+', s, flags=re.ASCII) else "'" + s.replace("'", "'\\''") + "'"
 
 def _torchrun(nodes:int, per_node:int)->str:
     multi = f' --nnodes {nodes} --node_rank $NODE_RANK --master_addr $MASTER_ADDR --master_port 29500' if nodes > 1 else ''
@@ -300,6 +300,7 @@ def _torchrun(nodes:int, per_node:int)->str:
 def _papermill(stem:str, run:str, recipe:str, **kw)->str:
     "A papermill command (for `bash -c` under torchrun) that runs a phase notebook with one record per rank"
     ps = ''.join(f' -p {k} {v}' for k, v in kw.items())
+    run = _q(run)
     return f"papermill nbs/phases/{stem}.ipynb papermill_runs/{run}/{stem}.rank$RANK.ipynb -p recipe {recipe} -p run_dir papermill_runs/{run}{ps}"
 
 # %% ../nbs/90_plan.ipynb #1ce3b5a2
@@ -307,7 +308,7 @@ def _prep_cmds(r:Recipe, f:dict, run)->list:
     D = _q(f['data_root'])
     each = []
     for d in r.datasets:
-        c = f'eagle3nb prepare --format {d.format} --input {_q(d.path)} --name {d.name} --out {D}/prepared'
+        c = f'eagle3nb prepare --format {_q(d.format)} --input {_q(d.path)} --name {_q(d.name)} --out {D}/prepared'
         if d.count: c += f' --count {d.count} --seed {r.seed}'
         if d.kind: c += f' --kind {d.kind}'
         if d.license: c += f' --license {_q(d.license)}'
@@ -317,7 +318,7 @@ def _prep_cmds(r:Recipe, f:dict, run)->list:
 
 # %% ../nbs/90_plan.ipynb #b3cef02c
 def _extract_cmds(f:dict, run)->list:
-    p, R, RUN = f['params'], _q(f['recipe_path']), f['run_id']
+    p, R = f['params'], _q(f['recipe_path'])
     modes = ','.join(f['hidden']['planned'])
     per_node = max(1, p['gpus_per_node'] // p['gpus_per_target'])
     lines = [run('extract') + '   # one process, one target copy (device_map from phases.extract); it also validates every store']
@@ -328,7 +329,7 @@ def _extract_cmds(f:dict, run)->list:
         cli = f'eagle3nb extract {R} --modes {modes} --device-map auto'
         if per_node > 1:  # several copies per node: each rank sees only its own GPUs
             g = p['gpus_per_target']
-            cli = f"bash -c 'CUDA_VISIBLE_DEVICES=$(seq -s, $((LOCAL_RANK*{g})) $((LOCAL_RANK*{g}+{g-1}))) {cli}'"
+            cli = 'bash -c ' + _q(f"CUDA_VISIBLE_DEVICES=$(seq -s, $((LOCAL_RANK*{g})) $((LOCAL_RANK*{g}+{g-1}))) {cli}")
         lines += [f"# one target copy per {p['gpus_per_target']} GPUs (device_map auto), {p['extract_nodes']} node(s); "
                   'data root on a file system every node shares:',
                   f"{_torchrun(p['extract_nodes'], per_node)} --no-python {cli}"]
@@ -341,7 +342,7 @@ def _train_cmds(f:dict, run)->list:
         nodes, per = math.ceil(p['gpus'] / p['gpus_per_node']), min(p['gpus'], p['gpus_per_node'])
         nb = _papermill('60_train', RUN, R, device='cuda:$LOCAL_RANK', max_steps=t['steps_for_epochs'] or t['max_steps'])
         lines += [f"# DDP over {p['gpus']} GPUs, max_steps for {fmt_n(p['epochs'])} epochs; checkpoints in papermill_runs/{RUN}/checkpoints/:",
-                  f"{_torchrun(nodes, per)} --no-python bash -c '{nb}'"]
+                  f"{_torchrun(nodes, per)} --no-python bash -c {_q(nb)}"]
     return [('train', 'TTT training of the draft; resumes from the last checkpoint', lines)]
 
 def _engine_cmds(f:dict, modes:str)->list:
@@ -361,7 +362,7 @@ def _engine_cmds(f:dict, modes:str)->list:
 # %% ../nbs/90_plan.ipynb #0ac247ac
 def commands(r:Recipe, f:dict)->list: # (phase, what it does, command lines); '#' lines are comments
     "The exact commands of every phase of `r`, in run order"
-    R, RUN, D, M = _q(f['recipe_path']), f['run_id'], _q(f['data_root']), _q(f['target']['model_dir'])
+    R, RUN, D, M = _q(f['recipe_path']), _q(f['run_id']), _q(f['data_root']), _q(f['target']['model_dir'])
     run = lambda ph: f'eagle3nb run {R} --run-id {RUN} --phases {ph}'
     t = f['train']
     step = t['steps_for_epochs'] if f['params']['gpus'] > 1 and t['steps_for_epochs'] else t['max_steps']
@@ -393,7 +394,7 @@ def commands(r:Recipe, f:dict)->list: # (phase, what it does, command lines); '#
          [f'eagle3nb verify {D}/export --target {M} --recipe {R} --json papermill_runs/{RUN}/verify.json   # EAGLE3NB_VLLM: your vLLM venv',
           f'# or: {run("verify")}   # the offline estimate is skipped for a target too big to load here']),
         ('serve_bench', 'output tok/s, TTFT and accept length against the target alone',
-         [f"eagle3nb serve-bench --baseline {base} --speculative {spec} --model {_q(r.target.served_name or '$MODEL')} --recipe {R} --concurrency {conc}",
+         [f"eagle3nb serve-bench --baseline {base} --speculative {spec} --model {_q(r.target.served_name) if r.target.served_name else '$MODEL'} --recipe {R} --concurrency {conc}",
           f'# or: {run("serve_bench")}' + ('   # with phases.serve_bench.speculative set to the speculative URL' if spec == '$SPEC_URL' else '')]),
         ('plan', 'this document as a phase (its record goes with the run)', [run('plan')])]
 

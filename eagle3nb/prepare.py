@@ -12,8 +12,10 @@ from collections import Counter
 from pathlib import Path
 import pyarrow as pa, pyarrow.parquet as pq
 from tqdm.auto import tqdm
-from .recipe import one_name, claim_output
+from .recipe import one_name, claim_output, publishing
 from .schema import ADAPTERS, KINDS, SCHEMA_VERSION, Reject, to_record, from_record, record_schema
+from .schema import special_text_problem
+from .target import special_texts
 from . import adapters, agent_adapters  # registers every format
 
 # %% ../nbs/13_prepare.ipynb #d7fad50d
@@ -115,13 +117,17 @@ def choose(n:int|None, records, limit:int=None, count:int=None, seed:int=0):
         k += 1; yield i, r
 
 # %% ../nbs/13_prepare.ipynb #ddb60830
-def convert(fmt:str, rec, dataset:str, index:int, kind:str=None):
+def convert(fmt:str, rec, dataset:str, index:int, kind:str=None,
+            special=(), # strings no text of the conversation may hold (`target.special_texts`)
+           ):
     "`(conversation, None)` or `(None, reason)` for one raw record"
     f = get_adapter(fmt)
     if isinstance(rec, BadRecord): return None, rec.reason
-    try: return f(rec, dataset, index, kind or f.default_kind), None
+    try: c = f(rec, dataset, index, kind or f.default_kind)
     except Reject as e: return None, str(e) or 'rejected'
     except Exception as e: return None, f'adapter error: {type(e).__name__}'
+    why = special_text_problem(c, special)
+    return (None, why) if why else (c, None)
 
 def get_adapter(fmt:str):
     "The adapter registered for format `fmt`"
@@ -162,21 +168,24 @@ def prepare(path,                   # raw dataset: file, folder, or hub id
             force:bool=False,       # rebuild even when the manifest matches
             progress:bool=True,
             allow_empty:bool=False, # publish a dataset of which no record is kept (else `PrepareError`)
+            special=None,           # the target's special tokens (`target.special_texts(tok)`); None: every family's
            )->dict:                 # the manifest
     "Convert a raw dataset into `out/name/`: parquet shards, manifest.json, rejects.jsonl"
     get_adapter(fmt); one_name(name, 'dataset name')
     if kind is not None and kind not in KINDS: raise PrepareError(f"kind {kind!r}: use one of {', '.join(KINDS)}")
     for k, v in dict(limit=limit, count=count).items():
         if v is not None and v < 1: raise PrepareError(f"{k} {v}: give a positive number of records, or none to keep all")
-    src, dst = Path(path), claim_output(Path(out)/name, 'prepare', own=('manifest.json',))
+    src, dst = Path(path), claim_output(Path(out)/name, 'prepare')
+    sp = special_texts() if special is None else tuple(special)
     params = dict(format=fmt, limit=limit, count=count, seed=seed, kind=kind, license=license, schema_version=SCHEMA_VERSION,
-                  input_sha256=_sha256_files(src) if src.exists() else str(path))
+                  input_sha256=_sha256_files(src) if src.exists() else str(path),
+                  special_sha256=hashlib.sha256('\n'.join(sorted(sp)).encode()).hexdigest())
     if not force and (m := read_manifest(dst)) and m.get('params') == params: return m
     t0 = time.time(); n, recs = read_records(path)
     rows, rejects, reasons, first = [], [], Counter(), []
     for i, rec in tqdm(choose(n, recs, limit, count, seed), total=min(x for x in (n, limit, count) if x is not None) if n else None,
                        desc=f'prepare {name}', unit='rec', disable=not progress):
-        c, why = convert(fmt, rec, name, i, kind)
+        c, why = convert(fmt, rec, name, i, kind, sp)
         if len(first) < 20 and not isinstance(rec, BadRecord): first.append(rec)
         if c is not None: rows.append(to_record({**c, 'license': license or c['license']})); continue
         reasons[why] += 1
@@ -203,20 +212,21 @@ def _nothing_kept(path, fmt, kind, n, reasons, first)->str:
 
 # %% ../nbs/13_prepare.ipynb #d9423fac
 def _publish(dst:Path, rows, rejects, reasons, params, src, t0, shard_rows)->dict:
-    "Write shards, rejects and manifest to a temp dir and rename it to `dst`"
-    tmp = dst.with_name(f'.{dst.name}.tmp'); shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
+    "Write shards, rejects and manifest to a fresh temp folder and publish it at `dst` (see `recipe.publishing`)"
+    with publishing(dst, 'prepare') as tmp: m = _write_prepared(tmp, dst.name, rows, rejects, reasons, params, src, t0, shard_rows)
+    return m
+
+def _write_prepared(tmp:Path, name:str, rows, rejects, reasons, params, src, t0, shard_rows)->dict:
+    "Write shards, rejects and manifest of dataset `name` into folder `tmp`; return the manifest"
     shards = _write_shards(rows, tmp, shard_rows)
     with open(tmp/'rejects.jsonl', 'w') as f:
         for r in rejects: f.write(json.dumps(r, ensure_ascii=False) + '\n')
     h = hashlib.sha256(''.join(r['sample_id'] + json.dumps(r['messages'], ensure_ascii=False) for r in rows).encode()).hexdigest()
     secs = time.time() - t0; read = len(rows) + len(rejects)
-    m = dict(name=dst.name, source=str(src), params=params, schema_version=SCHEMA_VERSION, read=read, kept=len(rows),
+    m = dict(name=name, source=str(src), params=params, schema_version=SCHEMA_VERSION, read=read, kept=len(rows),
              rejected=len(rejects), reject_reasons=dict(reasons.most_common()), kinds=dict(Counter(r['kind'] for r in rows)),
              content_sha256=h, shards=shards, seconds=round(secs, 3), records_per_s=round(read / max(secs, 1e-9), 1))
     (tmp/'manifest.json').write_text(json.dumps(m, indent=1))
-    old = dst.with_name(f'.{dst.name}.old'); shutil.rmtree(old, ignore_errors=True)
-    if dst.exists(): dst.rename(old)
-    tmp.rename(dst); shutil.rmtree(old, ignore_errors=True)
     return m
 
 def read_manifest(d)->dict|None:

@@ -5,11 +5,11 @@
 # %% auto #0
 __all__ = ['TEMPLATE_RENDERS', 'EMITTERS', 'BOUNDARY', 'RENDER_VERSION', 'STAT_COLUMNS', 'template_messages', 'direct_template',
            'template_render', 'chat_text', 'family_tokenizer', 'RenderError', 'emit_kimi', 'emit_qwen3', 'emit_llama3',
-           'emit_deepseek', 'emit_glm', 'completion_text', 'template_turn', 'check_event', 'conversation_events',
-           'tokenize_events', 'group_events', 'group_sample', 'gen_prompt', 'plan_groups', 'tokenize_groups',
-           'template_sha256', 'render_conversations', 'load_tokenizer', 'tokenizer_sha256', 'features', 'render_batch',
-           'render_stats', 'read_render_manifest', 'render_dataset', 'read_conversations_jsonl', 'render_jsonl',
-           'catalog_rows']
+           'emit_deepseek', 'emit_glm', 'completion_text', 'template_turn', 'check_event', 'conversation_problem',
+           'conversation_events', 'tokenize_events', 'group_events', 'group_sample', 'gen_prompt', 'plan_groups',
+           'tokenize_groups', 'template_sha256', 'render_conversations', 'load_tokenizer', 'tokenizer_sha256',
+           'features', 'render_batch', 'render_stats', 'read_render_manifest', 'render_dataset',
+           'read_conversations_jsonl', 'render_jsonl', 'catalog_rows']
 
 # %% ../nbs/20_render.ipynb #90be0290
 import hashlib, json, shutil, time
@@ -212,7 +212,21 @@ def check_event(tok, messages:list, # canonical messages
 
 # %% ../nbs/20_render.ipynb #2ae86145
 from .schema import render_problem  # why a conversation cannot be rendered (roles, tool results, arguments)
-from .recipe import claim_output, mark_output, model_dir  # outputs a verb may replace; model folders
+from .recipe import claim_output, publishing, atomic_write, model_dir  # outputs a verb may replace; model folders
+
+# %% ../nbs/20_render.ipynb #7cf0e778
+from .schema import special_text_problem
+from .target import special_texts
+
+def _special(tok)->tuple:
+    "`special_texts(tok)`, worked out once per tokenizer (and again if tokens were added)"
+    k, got = len(tok.added_tokens_decoder), getattr(tok, '_eagle3nb_special', None)
+    if got is None or got[0] != k: got = tok._eagle3nb_special = (k, special_texts(tok))
+    return got[1]
+
+def conversation_problem(c:dict, tok)->str|None: # the reject reason, None when `c` can be rendered for `tok`
+    "Why conversation `c` cannot be rendered for the target of `tok`: unreadable, malformed, or text holding its special tokens"
+    return c.get('unreadable') or render_problem(c) or special_text_problem(c, _special(tok))
 
 # %% ../nbs/20_render.ipynb #d74672f3
 def _reason(e:Exception)->str: return (str(e) or type(e).__name__).splitlines()[0][:120]
@@ -220,7 +234,7 @@ def _reason(e:Exception)->str: return (str(e) or type(e).__name__).splitlines()[
 def conversation_events(c:dict, tok, # conversation; the target's tokenizer
                         thinking:bool=True)->list: # one dict per event: event, prompt, completion, think, tools | reject
     "The generation events of conversation `c`, rendered as text"
-    if (why := c.get('unreadable') or render_problem(c)): return [dict(event=0, reject=why)]
+    if (why := conversation_problem(c, tok)): return [dict(event=0, reject=why)]
     fam = template_family(tok.chat_template)
     ms, tools = template_messages(c['messages'], fam, thinking), c.get('tools') or None
     turns = [i for i, m in enumerate(ms) if m['role'] == 'assistant']
@@ -573,7 +587,7 @@ def render_conversations(convs:list, tok, # canonical conversations; the target'
 def _render_conversations(convs, tok, thinking, merge):
     fam, sha = template_family(tok.chat_template), template_sha256(tok)
     why = _blocker(tok, fam)
-    plans = [dict(fallback='') if c.get('unreadable') or render_problem(c) else _plan(c, tok, fam, thinking, why) for c in convs]  # rejects: the per-event path says why
+    plans = [dict(fallback='') if conversation_problem(c, tok) else _plan(c, tok, fam, thinking, why) for c in convs]  # rejects: the per-event path says why
     tokenize_groups(tok, [g for p in plans if 'groups' in p for g in p['groups']], fam)
     out = {k: r for k, (c, p) in enumerate(zip(convs, plans)) if 'groups' in p and (r := _plan_rows(c, p, sha, merge)) is not None}
     slow = [k for k in range(len(convs)) if k not in out]
@@ -660,11 +674,6 @@ def read_render_manifest(d)->dict|None:
     p = Path(d)/'render.json'
     return json.loads(p.read_text()) if p.exists() else None
 
-def _swap(tmp:Path, dst:Path):
-    "Rename the finished `tmp` to `dst`, replacing what was there"
-    old = dst.with_name(f'.{dst.name}.old'); shutil.rmtree(old, ignore_errors=True)
-    if dst.exists(): dst.rename(old)
-    tmp.rename(dst); shutil.rmtree(old, ignore_errors=True)
 
 def _render_params(prepared_dir, target_dir, thinking, merge, trust_remote_code)->dict:
     "What a rendered dataset depends on"
@@ -678,10 +687,8 @@ def _render_params(prepared_dir, target_dir, thinking, merge, trust_remote_code)
 # %% ../nbs/20_render.ipynb #d1fbc6cb
 def _write_jsonl(path:Path, rows):
     "Write JSON lines to `path` atomically"
-    tmp = path.with_name(f'.{path.name}.tmp')
-    with open(tmp, 'w') as f:
+    with atomic_write(path) as f:
         for r in rows: f.write(json.dumps(r, ensure_ascii=False) + '\n')
-    tmp.replace(path)
 
 def _map_rows(ds, kw:dict, num_proc:int, batch_size:int, work:Path):
     "Rendered rows (samples and rejects) of prepared rows `ds`, as Arrow files under `work`"
@@ -707,22 +714,22 @@ def render_dataset(prepared_dir, # a prepared dataset directory (`eagle3nb.prepa
                    trust_remote_code:bool=False)->dict: # the manifest
     "Render a prepared dataset into `out_dir`: Arrow samples (`save_to_disk`), rejects.jsonl, render.json"
     from eagle3nb.prepare import load_prepared
-    params, out = _render_params(prepared_dir, target_dir, thinking, merge, trust_remote_code), claim_output(out_dir, 'render', own=('render.json',))
+    params, out = _render_params(prepared_dir, target_dir, thinking, merge, trust_remote_code), claim_output(out_dir, 'render')
     if not force and (m := read_render_manifest(out)) and m.get('params') == params: return m
     t0, ds = time.time(), load_prepared(prepared_dir)
-    tmp, work = out.with_name(f'.{out.name}.tmp'), out.with_name(f'.{out.name}.work')
-    for d in (tmp, work): shutil.rmtree(d, ignore_errors=True)
-    work.mkdir(parents=True)
-    try:
-        kw = dict(target_dir=str(Path(target_dir).absolute()), thinking=thinking, merge=merge, trust_remote_code=trust_remote_code)
-        rows = _map_rows(ds, kw, num_proc, batch_size, work)
-        stats = render_stats(rows.select_columns(list(STAT_COLUMNS)).data.table, merge)
-        _save_rows(rows, tmp, work)
-        m = dict(name=out.name, prepared=str(prepared_dir), target=str(target_dir), params=params, conversations=len(ds), **stats,
-                 template_render=template_render(load_tokenizer(target_dir, trust_remote_code)), seconds=round(time.time() - t0, 3))
-        (tmp/'render.json').write_text(json.dumps(m, indent=1))
-        _swap(tmp, out)
-    finally: shutil.rmtree(work, ignore_errors=True)
+    with publishing(out, 'render') as tmp:
+        work = tmp/'.work'  # the map's Arrow files: inside our temp folder, so a killed run's go with it
+        work.mkdir()
+        try:
+            kw = dict(target_dir=str(Path(target_dir).absolute()), thinking=thinking, merge=merge, trust_remote_code=trust_remote_code)
+            rows = _map_rows(ds, kw, num_proc, batch_size, work)
+            stats = render_stats(rows.select_columns(list(STAT_COLUMNS)).data.table, merge)
+            _save_rows(rows, tmp, work)
+            m = dict(name=out.name, prepared=str(prepared_dir), target=str(target_dir), params=params, conversations=len(ds),
+                     **stats, template_render=template_render(load_tokenizer(target_dir, trust_remote_code)),
+                     seconds=round(time.time() - t0, 3))
+            (tmp/'render.json').write_text(json.dumps(m, indent=1))
+        finally: shutil.rmtree(work, ignore_errors=True)
     return m
 
 # %% ../nbs/20_render.ipynb #584f5225
@@ -743,12 +750,13 @@ def render_jsonl(target_dir, # the target model directory
                  thinking:bool=True, merge:bool=True, trust_remote_code:bool=False)->dict: # counts, tokens, amplification
     "Render canonical conversations to `out_dir/samples.jsonl`: sample_id, input_ids, loss_mask, spans per line"
     if not Path(input_jsonl).is_file(): raise FileNotFoundError(f"{input_jsonl}: no such conversations file (JSON lines)")
-    out = claim_output(out_dir, 'render', own=lambda d: {p.name for p in d.iterdir()} == {'samples.jsonl', 'rejects.jsonl'})
+    out = claim_output(out_dir, 'render')
     t0, tok = time.time(), load_tokenizer(model_dir(target_dir), trust_remote_code)
-    out.mkdir(parents=True, exist_ok=True); mark_output(out, 'render')
     rows = render_conversations(read_conversations_jsonl(input_jsonl), tok, thinking, merge)
-    _write_jsonl(out/'samples.jsonl', ({k: r[k] for k in ('sample_id', 'input_ids', 'loss_mask', 'spans')} for r in rows if 'reject' not in r))
-    _write_jsonl(out/'rejects.jsonl', (dict(sample_id=r['sample_id'], reason=r['reject']) for r in rows if 'reject' in r))
+    keys = ('sample_id', 'input_ids', 'loss_mask', 'spans')
+    with publishing(out, 'render') as tmp:
+        _write_jsonl(tmp/'samples.jsonl', ({k: r[k] for k in keys} for r in rows if 'reject' not in r))
+        _write_jsonl(tmp/'rejects.jsonl', (dict(sample_id=r['sample_id'], reason=r['reject']) for r in rows if 'reject' in r))
     return dict(out=str(out), template_sha256=template_sha256(tok), **render_stats(_stat_table(rows), merge), template_render=template_render(tok),
                 seconds=round(time.time() - t0, 3))
 

@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'KINDS', 'ROLES', 'JSON_FIELDS', 'ADAPTERS', 'Reject', 'sample_id', 'message', 'parse_arguments',
            'tool_call', 'tool_spec', 'split_think', 'kimi_call_id', 'link_tool_calls', 'clean_messages',
-           'check_conversation', 'conversation', 'render_problem', 'record_schema', 'to_record', 'from_record',
-           'adapter']
+           'check_conversation', 'conversation', 'render_problem', 'special_in_message', 'special_text_problem',
+           'record_schema', 'to_record', 'from_record', 'adapter']
 
 # %% ../nbs/10_schema.ipynb #6e7dd762
 import hashlib, json, re
@@ -171,6 +171,60 @@ def render_problem(c:dict)->str|None: # the reject reason, None when `c` can be 
             tid = m.get('tool_call_id')
             if not open_ids or (tid is not None and tid not in open_ids): return 'tool result without its tool call'
             open_ids.remove(tid if tid is not None else open_ids[0])
+
+# %% ../nbs/10_schema.ipynb #f2fcdd87
+from functools import lru_cache
+
+@lru_cache(maxsize=32)
+def _special_rx(texts:tuple):
+    "A regex that finds any of `texts`, the longest where several start at one place"
+    return re.compile('|'.join(re.escape(t) for t in sorted(texts, key=len, reverse=True)))
+
+def _strings(v):
+    "Every string inside JSON value `v`: itself, or the keys and values of its objects and lists"
+    if isinstance(v, str): yield v
+    elif isinstance(v, dict):
+        for k, x in v.items(): yield from _strings(k); yield from _strings(x)
+    elif isinstance(v, (list, tuple)):
+        for x in v: yield from _strings(x)
+
+def _found(rx, v)->str|None:
+    "The first of the regex's strings in the strings of `v`, None if none"
+    return next((m.group() for s in _strings(v) if (m := rx.search(s))), None)
+
+# %% ../nbs/10_schema.ipynb #e1b2643f
+_MSG_TEXTS = (('content', 'content'), ('reasoning_content', 'reasoning'), ('name', 'name'), ('tool_call_id', 'tool_call_id'))
+
+def _args_found(rx, a)->str|None:
+    "The first of the regex's strings in tool-call arguments `a`: an object, or JSON text (searched as sent and as parsed)"
+    if (t := _found(rx, a)) or not isinstance(a, str): return t
+    try: return _found(rx, json.loads(a))
+    except (ValueError, RecursionError): return None
+
+def special_in_message(m:dict, # a message: canonical, or as a server answers it
+                       texts, # the target's special tokens (`target.special_texts`)
+                      )->str|None: # e.g. "content holds the special token '<|im_end|>'"; None when no field holds one
+    "Which text of message `m` holds one of `texts`, and which token"
+    if not texts or not isinstance(m, dict): return None
+    rx = _special_rx(tuple(texts))
+    for k, label in _MSG_TEXTS:
+        if (t := _found(rx, m.get(k))): return f'{label} holds the special token {t!r}'
+    for j, tc in enumerate(m.get('tool_calls') or []):
+        tc = tc if isinstance(tc, dict) else {}
+        f = tc.get('function') if isinstance(tc.get('function'), dict) else {}
+        for k, t in (('name', _found(rx, f.get('name'))), ('id', _found(rx, tc.get('id'))), ('arguments', _args_found(rx, f.get('arguments')))):
+            if t: return f'tool_calls[{j}] {k} holds the special token {t!r}'
+
+def special_text_problem(c:dict, # a canonical conversation
+                         texts, # the target's special tokens (`target.special_texts`)
+                        )->str|None: # the reject reason, None when no text holds one
+    "Where conversation `c` holds one of `texts` in a text the target sees: role, message index and token"
+    if not texts: return None
+    for i, m in enumerate(c.get('messages') or []):
+        if (w := special_in_message(m, texts)): return f"messages[{i}] ({m.get('role')}) {w}"
+    rx = _special_rx(tuple(texts))
+    for j, spec in enumerate(c.get('tools') or []):
+        if (t := _found(rx, spec)): return f'tools[{j}] holds the special token {t!r}'
 
 # %% ../nbs/10_schema.ipynb #57046082
 def record_schema():

@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['FORMAT', 'CONVENTION', 'MODES', 'FP8_MAX', 'META_KEYS', 'TENSORS', 'SHARD_RE', 'INDEX_DDL', 'sglang_layer_ids',
            'idx_dtype', 'bytes_per_token', 'quantize_fp8', 'dequantize_fp8', 'fp8_bound', 'shard_meta', 'shard_files',
-           'ShardWriter', 'read_meta', 'shard_rows', 'read_index', 'done_ids', 'record_index', 'sync_index',
-           'HiddenStates', 'StoreInvalid', 'corpus_map', 'validate']
+           'ShardWriter', 'open_shard', 'read_meta', 'shard_rows', 'read_index', 'done_ids', 'record_index',
+           'sync_index', 'HiddenStates', 'StoreInvalid', 'corpus_map', 'validate']
 
 # %% ../nbs/51_store.ipynb #ca091201
 import json, os, re, shutil
@@ -143,13 +143,23 @@ def _flush(self:ShardWriter):
 ShardWriter.flush = _flush
 
 # %% ../nbs/51_store.ipynb #3838b8e1
+def open_shard(path):
+    "`safe_open` of one shard; `BadFile` naming it when it is truncated or damaged (a copy cut short)"
+    from safetensors import SafetensorError
+    from .recipe import bad_file
+    try: return safe_open(str(path), framework='pt')
+    except SafetensorError as e:
+        hint = (f"the shard is truncated or damaged (a copy cut short?): copy it again, or move it out of {Path(path).parent} "
+                "and rerun `eagle3nb extract` to write its samples again")
+        raise bad_file(path, e, hint, 'safetensors') from None
+
 def read_meta(path)->dict:
     "A shard's metadata, decoded"
-    with safe_open(str(path), framework='pt') as f: return _decode(f.metadata())
+    with open_shard(path) as f: return _decode(f.metadata())
 
 def shard_rows(path)->list:
     "Index rows of one shard: sample_id, shard, token_offset, length, mode"
-    with safe_open(str(path), framework='pt') as f:
+    with open_shard(path) as f:
         meta, off = _decode(f.metadata()), f.get_tensor('offsets').tolist()
     return [dict(sample_id=s, shard=Path(path).name, token_offset=a, length=b - a, mode=meta['mode'])
             for s, a, b in zip(meta['sample_ids'], off[:-1], off[1:])]
@@ -205,7 +215,7 @@ class HiddenStates(torch.utils.data.Dataset):
     def __len__(self): return len(self.rows)
 
     def _f(self, shard):
-        if shard not in self._files: self._files[shard] = safe_open(str(self.d/shard), framework='pt')
+        if shard not in self._files: self._files[shard] = open_shard(self.d/shard)
         return self._files[shard]
 
     def __getstate__(self): return {**self.__dict__, '_files': {}}  # handles stay in their process
@@ -293,7 +303,9 @@ def validate(d,                  # store folder
     files, p, seen, tokens = shard_files(d), [], {}, 0
     if not files: p.append(f"{d}: no shards")
     for path in files:
-        with safe_open(str(path), framework='pt') as f:
+        try: sf = open_shard(path)
+        except ValueError as e: p.append(str(e)); continue
+        with sf as f:
             meta = _decode(f.metadata())
             mp = _check_meta(path.name, meta, expect); p += mp
             if mp: continue

@@ -228,23 +228,24 @@ def write_toy(spec:ToySpec, d:Path):
     (d/MARKER).write_text(json.dumps(dict(name=spec.name, version=spec.version, builder='eagle3nb.toy', **info), indent=1))
 
 # %% ../nbs/02_toy.ipynb #5fc05443
+from .recipe import MARKER as OUTPUT_MARKER, mark_output, read_marker, output_temp, publish_output
+
 def _check_replaceable(out:Path, spec:ToySpec, force:bool):
     "Raise unless a build of `spec` may be put at `out`"
     if not out.exists() or (out.is_dir() and not any(out.iterdir())): return
     if not out.is_dir(): raise FileExistsError(f"{out} is a file, not a toy model directory; remove it or choose another --out")
     m = _marker(out)
-    if not m: raise FileExistsError(f"{out} exists and is not an eagle3nb toy build (no {MARKER}); it is never "
-                                    "overwritten: remove it yourself or choose another --out")
+    if m.get('builder') == 'eagle3nb.toy' and not read_marker(out): mark_output(out, 'toy')  # a toy built before the output marker
+    if read_marker(out).get('verb') != 'toy':
+        raise FileExistsError(f"{out} exists and is not an eagle3nb toy build (no {OUTPUT_MARKER} of toy); it is never "
+                              "overwritten: remove it yourself or choose another --out")
     if not force: raise FileExistsError(f"{out} holds toy {m.get('name')!r} v{m.get('version')}, not a complete "
                                         f"{spec.name!r} v{spec.version}; rebuild with force=True (--force) or choose another --out")
 
 # %% ../nbs/02_toy.ipynb #f1d6b808
 def _install(tmp:Path, out:Path):
-    "Rename the finished build `tmp` to `out`, replacing what `_check_replaceable` allowed there"
-    old = out.with_name(f'.{out.name}.old-{os.getpid()}') if out.exists() else None
-    if old: out.rename(old)
-    tmp.rename(out)
-    if old: shutil.rmtree(old)
+    "Rename the finished build `tmp` to `out` (a link: at its target), replacing the toy build `_check_replaceable` allowed there"
+    publish_output(tmp, out, 'toy')
 
 # %% ../nbs/02_toy.ipynb #5f27de38
 def build_toy(name:str,          # toy name, one of `TOYS`
@@ -255,10 +256,10 @@ def build_toy(name:str,          # toy name, one of `TOYS`
     spec, out = toy_spec(name), Path(out).expanduser().absolute()
     if not force and _complete(out, spec): return out
     _check_replaceable(out, spec, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f'.{out.name}.tmp-', dir=out.parent))
+    tmp = output_temp(out, 'toy')  # beside `out`'s real place: a link is written through
     try:
         write_toy(spec, tmp)
+        mark_output(tmp, 'toy', stamp=False)  # byte-identical builds: no time or process in the marker
         for f in [tmp, *tmp.iterdir()]: f.chmod(0o755 if f.is_dir() else 0o644)  # mkdtemp, safetensors: private modes
         if force or not _complete(out, spec):  # a concurrent build may have finished meanwhile
             try: _install(tmp, out)

@@ -217,14 +217,13 @@ def batch_indices(n:int, bs:int, step:int, seed:int=0, rank:int=0, world:int=1)-
 def save_checkpoint(run_dir, step:int, draft:Eagle3Draft, opt, sched, cfg:TrainConfig, epoch:int=0)->Path:
     "Write checkpoint `step_N` atomically; return its folder"
     d = Path(run_dir)/'checkpoints'/f'step_{step}'
-    tmp = d.with_name(f'.{d.name}.tmp'); shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
+    from eagle3nb.recipe import publishing
     sd = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
-    save_file(sd, str(tmp/'model.safetensors'), metadata={'draft_config': json.dumps(asdict(draft.config))})
-    torch.save(dict(optimizer=opt.state_dict(), scheduler=sched.state_dict(), step=step, epoch=epoch, config=asdict(cfg),
-                    rng=torch.get_rng_state(), py_rng=random.getstate(),
-                    cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None), tmp/'train_state.pt')
-    if d.exists(): shutil.rmtree(d)
-    os.replace(tmp, d)
+    with publishing(d, 'train') as tmp:  # a fresh temp name; only train's own `step_N` is ever replaced
+        save_file(sd, str(tmp/'model.safetensors'), metadata={'draft_config': json.dumps(asdict(draft.config))})
+        torch.save(dict(optimizer=opt.state_dict(), scheduler=sched.state_dict(), step=step, epoch=epoch, config=asdict(cfg),
+                        rng=torch.get_rng_state(), py_rng=random.getstate(),
+                        cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None), tmp/'train_state.pt')
     return d
 
 def latest_checkpoint(run_dir)->Path|None:
@@ -318,8 +317,9 @@ def train(draft:Eagle3Draft,        # a draft from `new_draft` (its init is the 
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, cfg.beta2), weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     step, metrics = 0, run_dir/'metrics.jsonl'
-    if rank == 0:  # a killed run's half-written checkpoint
-        for t in (run_dir/'checkpoints').glob('.step_*.tmp'): shutil.rmtree(t, ignore_errors=True)
+    if rank == 0:  # a killed run's half-written checkpoints: train's temp folders whose process is gone
+        from eagle3nb.recipe import remove_stale
+        remove_stale(run_dir/'checkpoints', 'train')
     if (ck := latest_checkpoint(run_dir)) is not None:
         step = (load_sharded_checkpoint(ck, net, opt, sched, ref) if sharded else load_checkpoint(ck, draft, opt, sched))['step']
         log(f'resumed from {ck}')

@@ -140,24 +140,20 @@ def build_vocab(counts:torch.Tensor, # (V,) supervised occurrences per target id
                 special_outside=[t for t, i in used.items() if not t2d[i]])
 
 # %% ../nbs/45_vocab.ipynb #fc30894b
-_TENSORS = ('d2t', 't2d', 'ids')
+from .recipe import claim_output, publishing  # the vocab folder is replaced only when vocab wrote it
 
-def _swap(tmp:Path, dst:Path):
-    "Rename the finished `tmp` to `dst`, replacing what was there"
-    old = dst.with_name(f'.{dst.name}.old'); shutil.rmtree(old, ignore_errors=True)
-    if dst.exists(): dst.rename(old)
-    tmp.rename(dst); shutil.rmtree(old, ignore_errors=True)
+_TENSORS = ('d2t', 't2d', 'ids')
 
 def save_vocab(out_dir, v:dict, counts:torch.Tensor, meta:dict=None)->Path: # out_dir
     "Write `build_vocab`'s result `v` to `out_dir` atomically: d2t.pt, t2d.pt, vocab.safetensors, counts.pt, vocab.json"
     from safetensors.torch import save_file
-    out = Path(out_dir); tmp = out.with_name(f'.{out.name}.tmp'); shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
-    for n in ('d2t', 't2d'): torch.save(v[n], tmp/f'{n}.pt')
-    save_file(dict(d2t=v['d2t'], t2d=v['t2d']), str(tmp/'vocab.safetensors'))
-    torch.save(counts, tmp/'counts.pt')
-    summary = {k: x for k, x in v.items() if k not in _TENSORS}
-    (tmp/'vocab.json').write_text(json.dumps({**summary, **(meta or {})}, indent=1))
-    _swap(tmp, out)
+    out = claim_output(out_dir, 'vocab')
+    with publishing(out, 'vocab') as tmp:
+        for n in ('d2t', 't2d'): torch.save(v[n], tmp/f'{n}.pt')
+        save_file(dict(d2t=v['d2t'], t2d=v['t2d']), str(tmp/'vocab.safetensors'))
+        torch.save(counts, tmp/'counts.pt')
+        summary = {k: x for k, x in v.items() if k not in _TENSORS}
+        (tmp/'vocab.json').write_text(json.dumps({**summary, **(meta or {})}, indent=1))
     return out
 
 def load_vocab(out_dir)->tuple: # d2t, t2d, summary
@@ -197,6 +193,7 @@ def vocab_recipe(r,                  # resolved recipe (see `recipe.load_recipe`
     from datasets import load_from_disk
     root = Path(r.data_root); corpus, out = root/'corpus', root/'vocab'
     if not (corpus/'corpus.json').exists(): raise FileNotFoundError(f'{corpus}: no corpus.json; run the merge phase (40_merge) first')
+    claim_output(out, 'vocab')  # before the work: a folder vocab did not write is refused at once
     k = int(draft_vocab or vocab_params(r)['draft_vocab'])
     model = _target_dir(r)
     params = dict(draft_vocab=k, corpus=json.loads((corpus/'corpus.json').read_text()).get('fingerprint'), target=str(model))

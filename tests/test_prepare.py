@@ -19,7 +19,7 @@ def test_cli_writes_shards_manifest_rejects_and_is_idempotent(tmp_path):
     d = tmp_path/'lf'
     m = read_manifest(d)
     assert (m['read'], m['kept'], m['rejected']) == (4, 4, 0) and m['params']['format'] == 'openai'
-    assert sorted(f.name for f in d.iterdir()) == ['data-00000-of-00001.parquet', 'manifest.json', 'rejects.jsonl']
+    assert sorted(f.name for f in d.iterdir()) == ['.eagle3nb-output.json', 'data-00000-of-00001.parquet', 'manifest.json', 'rejects.jsonl']
     assert pq.read_table(d/m['shards'][0]).num_rows == 4
     calls = [tc for c in conversations(d) for msg in c['messages'] for tc in (msg['tool_calls'] or [])]
     assert calls and all(isinstance(tc['function']['arguments'], dict) and tc['id'].startswith('functions.') for tc in calls)

@@ -53,13 +53,15 @@ def test_linear_rows_equal_per_event_rows(toks, turns, f, thinking, merge):
 
 
 @pytest.mark.parametrize('f', FAMILIES)
-def test_fallback_is_counted(toks, f):
-    "A message that quotes a template token sends its conversation to the per-event path; the stats count it and its reason"
-    quoted = conversation('t', 1, [message('user', f'what does {FAMILY_TOKENS[f][-1]} mean?'), message('assistant', 'a tag')])
+def test_quoted_special_token_is_rejected(toks, f):
+    "A message that quotes one of the target's special tokens is rejected with its reason before any render (issue 22)"
+    tk = FAMILY_TOKENS[f][-1]
+    quoted = conversation('t', 1, [message('user', f'what does {tk} mean?'), message('assistant', 'a tag')])
     rows = render_conversations([loop_chat(f), quoted], toks[f])
     st_ = render_stats(_stat_table(rows))
-    assert st_['fallback'] == dict(conversations=1, reasons={'template tokens in message text': 1})
-    assert st_['prompt_renders'] >= 2 and drop(rows) == per_event([loop_chat(f), quoted], toks[f])
+    assert st_['reject_reasons'].get(f'messages[0] (user) content holds the special token {tk!r}') == 1, st_['reject_reasons']
+    assert st_['fallback'] == dict(conversations=0, reasons={})  # a reject, not a per-event render
+    assert st_['prompt_renders'] >= 1 and drop(rows) == per_event([loop_chat(f), quoted], toks[f])
 
 
 def trajectory(n, seed=0):
