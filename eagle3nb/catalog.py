@@ -68,7 +68,7 @@ def _unreadable(path:Path, e=None)->CatalogUnreadable:
     elif e is None or 'not a valid DuckDB' in str(e): why = 'is not a DuckDB database (a file of another kind, or a damaged one)'
     else: why = f"cannot be opened ({str(e).splitlines()[0]})"
     return CatalogUnreadable(f"catalog {path} {why}: point the recipe's `catalog:` at the catalog file eagle3nb made, "
-                             "or at a new file path (it is created); the file is kept")
+                             "or at a new file path (it is created); what is there is left as it is")
 
 def _open(path:Path, read_only:bool, timeout:float):
     "duckdb.connect, retried while another process holds a conflicting lock"

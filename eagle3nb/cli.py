@@ -340,10 +340,12 @@ def main(argv=None):
     try:
         _check_args(a)
         a.fn(a)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM where a verb turns it into one
         if os.environ.get('EAGLE3NB_DEBUG'): raise
-        print(f'eagle3nb {a.verb}: interrupted (Ctrl-C): {_interrupted(a)}', file=sys.stderr)
-        sys.exit(130)
+        why = 'SIGTERM' if str(e) == 'SIGTERM' else 'Ctrl-C'
+        told = str(e) if e.args and why == 'Ctrl-C' else ''  # a verb that says itself what it recorded (the runner)
+        print(f'eagle3nb {a.verb}: ' + (told or f'interrupted ({why}): {_interrupted(a)}'), file=sys.stderr)
+        sys.exit(143 if why == 'SIGTERM' else 130)
     except Exception as e:
         msg = None if os.environ.get('EAGLE3NB_DEBUG') else _user_message(e, a, _flag_names(p, a))
         if msg is None: raise

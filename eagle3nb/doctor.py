@@ -10,7 +10,7 @@ __all__ = ['RECORD', 'CHECKS', 'LOADERS', 'ENGINE_PROMPTS', 'DoctorError', 'read
            'check_engine', 'doctor', 'doctor_report', 'doctor_cli']
 
 # %% ../nbs/71_doctor.ipynb #0a32c220
-import json, math, os, re, shlex, tempfile, textwrap
+import json, math, os, re, shlex, sys, tempfile, textwrap
 from functools import cached_property
 from pathlib import Path
 import httpx
@@ -81,21 +81,27 @@ def _vllm(a:dict, pos:list=())->dict:
 # %% ../nbs/71_doctor.ipynb #d64f96d1
 def _text_of(path_or_text)->str:
     "The text of a file, or the text itself"
-    if isinstance(path_or_text, Path): return path_or_text.read_text()
+    from eagle3nb.recipe import read_text
+    utf8 = 'save the launch command or server args as UTF-8 text'
+    if isinstance(path_or_text, Path): return read_text(path_or_text, utf8)
     s = str(path_or_text)
     if '\n' not in s and not s.lstrip().startswith('{'):
         try:
-            if Path(s).expanduser().is_file(): return Path(s).expanduser().read_text()
+            if Path(s).expanduser().is_file(): return read_text(Path(s).expanduser(), utf8)
         except OSError: pass  # too long for a file name: it is a command line
         if not _LAUNCH.search(s): raise DoctorError(f"{s[:120]!r} is neither a file nor an engine launch command")
     return s
 
 def read_server_args(path_or_text)->dict: # engine, algorithm, draft_path, target_path, raw
     "How a draft is served, from a launch command, a shell script, or SGLang's `/get_server_info` JSON"
+    from eagle3nb.recipe import bad_file
     s = _text_of(path_or_text)
+    where = str(path_or_text) if s != str(path_or_text) else 'server args'  # the file they came from, when one
     if s.lstrip().startswith('{'):
         try: d = json.loads(s)
-        except ValueError as e: raise DoctorError(f"server args look like JSON but do not parse: {e}") from None
+        except json.JSONDecodeError as e:
+            hint = "give SGLang's server args as JSON (its /get_server_info), or the launch command"
+            raise DoctorError(str(bad_file(where, e, hint))) from None
         if 'speculative_algorithm' in d or 'model_path' in d: return _sglang(d)
         return _vllm(d) if 'speculative_config' in d else _vllm({'speculative_config': d})  # vLLM args, or just its speculative config
     words = _launch_tokens(s)
@@ -586,4 +592,8 @@ def doctor_cli(draft_dir,          # the export folder
     from eagle3nb.engine import engine_available
     df = doctor(draft_dir, target, server_args, server, trust_remote_code, engine_available() if engine is None else engine)
     print(doctor_report(df))
-    return int((df.status == 'FAIL').any())
+    bad = df[df.status == 'FAIL']
+    if len(bad):  # one line on stderr, as every failing verb gives: the first problem, the rest in the report
+        more = f" (and {len(bad) - 1} more in the report above)" if len(bad) > 1 else ''
+        print(f"eagle3nb doctor: error: {bad.check.iloc[0]}: {bad.detail.iloc[0]}{more}", file=sys.stderr)
+    return int(len(bad) > 0)

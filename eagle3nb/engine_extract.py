@@ -18,7 +18,8 @@ import httpx, torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 from .engine import EngineError, VllmServer, engine_info, vllm_python
-from .extract import (_check_request, _finish, _plan_modes, _row, _sample_tensors, corpus_splits, load_d2t, preflight, target_id)
+from .extract import (_check_request, _finish, _plan_modes, _row, _sample_tensors, corpus_splits, load_d2t, preflight, target_id,
+                              check_layer_weights)
 from .store import ShardWriter, done_ids, record_index, sync_index, validate
 from .recipe import Recipe, load_recipe
 
@@ -345,6 +346,7 @@ def extract_recipe_engine(recipe,              # recipe YAML path or resolved `R
         from eagle3nb.toy import ensure_toy
         r = r.model_copy(deep=True); r.target.model = str(ensure_toy(r.target.toy, r.target.model))
     ph = r.phases.get('extract', {})
+    if not r.target.endpoints or r.target.served_here: check_layer_weights(r.target.model)  # the engine we launch loads it
     root, ml, sl = Path(r.data_root), [m.strip() for m in modes.split(',') if m.strip()], [s.strip() for s in splits.split(',') if s.strip()]
     _check_request(root, ml, sl)
     corpora = corpus_splits(root, sl, log)

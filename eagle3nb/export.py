@@ -24,7 +24,7 @@ def read_checkpoint(ckpt_dir)->tuple: # state dict, draft config dict
     f = Path(ckpt_dir)/'model.safetensors'
     if not f.exists(): raise ExportError(f"no model.safetensors in {ckpt_dir}")
     from safetensors import SafetensorError
-    from .recipe import bad_file
+    from eagle3nb.recipe import bad_file
     hint = "the checkpoint is truncated or damaged (a copy cut short?): export another step's checkpoint, or copy this one again"
     try:
         with safe_open(str(f), 'pt') as s: meta = s.metadata() or {}
@@ -106,7 +106,7 @@ def training_record(data_root,            # the recipe's data root, e.g. data/<r
                    )->dict:
     "What the draft was trained on: aux layers of its hidden states, chat-template hashes, supervised special tokens"
     from safetensors import SafetensorError
-    from .recipe import bad_file, read_json
+    from eagle3nb.recipe import bad_file, read_json
     root = Path(data_root)
     again = lambda verb: f"it is damaged: run `eagle3nb {verb}` for this recipe again (with --force)"
     rendered = [read_json(p, again('render')) for p in sorted((root/'rendered').glob('*/render.json'))]

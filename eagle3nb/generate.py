@@ -347,7 +347,8 @@ async def do_job(run:Run, j:Job)->dict:
         else:
             js, n = await with_retries(lambda: _send(run, j, used), run.p, run.stats)
             rec = ok_record(j, js, run.p['mode'], run.pool.caps.get(used[-1], {}), run.p['on_length'], attempts=n, endpoint=used[-1])
-        if run.p['mode'] == 'chat' and (why := response_problem(rec, response_texts(run))): rec.update(status='dropped', error=why)
+        why = response_problem(rec, response_texts(run)) if run.p['mode'] == 'chat' else None
+        if why: rec.update(status='dropped', error=why)  # text that holds the target's special tokens
         rec.update(started=t0, finished=time.time())
     except Permanent as e: rec = fail_record(j, str(e), len(used))
     run.writer.write(rec); run.pending.append(rec)
@@ -362,8 +363,13 @@ def response_texts(run:Run)->tuple:
     "The target's special tokens, from its tokenizer (loaded on first use); every family's control strings without one"
     if run.special is None:
         from eagle3nb.target import special_texts
-        if callable(run.tok) and not hasattr(run.tok, 'decode'): run.tok = run.tok()
-        run.special = special_texts(run.tok)
+        try:
+            if callable(run.tok) and not hasattr(run.tok, 'decode'): run.tok = run.tok()
+            run.special = special_texts(run.tok)
+        except Exception as e:  # e.g. a tokenizer that runs its own code: check every family's control strings instead
+            why = f'no tokenizer for the special-token check ({type(e).__name__})'
+            print(f"warning: {why}; checking every family's control tokens", file=sys.stderr)
+            run.special = special_texts()
     return run.special
 
 def response_problem(rec:dict, # a chat-mode record (`ok_record`, or `regenerate_turns`' with its `turns`)
@@ -373,7 +379,8 @@ def response_problem(rec:dict, # a chat-mode record (`ok_record`, or `regenerate
     from eagle3nb.schema import special_in_message
     if rec.get('status') not in FINISHED or rec.get('mode') != 'chat': return None
     if 'turns' not in rec: return (w := special_in_message(rec, texts)) and f'response {w}'
-    return next((f'response turn {k} {w}' for k, t in enumerate(rec['turns']) if (w := special_in_message(t, texts))), None)
+    found = ((k, special_in_message(t, texts)) for k, t in enumerate(rec['turns']))
+    return next((f'response turn {k} {w}' for k, w in found if w), None)
 
 # %% ../nbs/30_generate.ipynb #37dedcf7
 def replay(recorded:list, # the recorded messages after an assistant turn, up to the next one

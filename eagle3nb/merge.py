@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['CORPUS_COLUMNS', 'DEDUP_RULE', 'MERGE_DEFAULTS', 'corpus_features', 'as_input', 'sample_hash', 'scan', 'eligibility',
            'mix_counts', 'draw', 'split', 'merge_corpus', 'save_corpus', 'read_corpus_manifest', 'load_corpus',
-           'merge_params', 'merge_inputs', 'check_same_target', 'catalog_exclusions', 'record_merge', 'merge_recipe',
-           'merge_table', 'merge_cli', 'smoke_recipe']
+           'merge_params', 'merge_inputs', 'load_input', 'check_same_target', 'catalog_exclusions', 'record_merge',
+           'merge_recipe', 'merge_table', 'merge_cli', 'smoke_recipe']
 
 # %% ../nbs/40_merge.ipynb #28829f22
 import hashlib, json, shutil, time, zlib
@@ -184,8 +184,9 @@ def save_corpus(out_dir, train, eval, manifest:dict)->Path: # out_dir
 
 def read_corpus_manifest(out_dir)->dict|None:
     "The `corpus.json` of a corpus folder, None when there is none"
+    from eagle3nb.recipe import read_json
     p = Path(out_dir)/'corpus.json'
-    return json.loads(p.read_text()) if p.exists() else None
+    return read_json(p, 'the corpus manifest is damaged: run `eagle3nb merge RECIPE --force` to write the corpus again') if p.exists() else None
 
 def load_corpus(out_dir, split:str='train'):
     "One split of a saved corpus, as a `datasets.Dataset`"
@@ -215,13 +216,35 @@ def merge_inputs(r, extra=())->dict: # label -> folder
 
 # %% ../nbs/40_merge.ipynb #4cfa32b7
 _SAME = ('tokenizer_sha256', 'template_sha256', 'thinking')
+_AGAIN = "the rendered dataset is damaged (a copy cut short?): render it again (the recipe's render phase), then merge"
+
+def _bad_arrow(d:Path)->Path|None:
+    "The first Arrow file of dataset folder `d` that does not read to its end"
+    import pyarrow as pa
+    for f in sorted(d.glob('*.arrow')):
+        try:
+            with pa.memory_map(str(f)) as m: pa.ipc.open_stream(m).read_all()
+        except pa.ArrowException: return f
+    return None
+
+def load_input(d)->'datasets.Dataset':
+    "A rendered (or generated) dataset folder; `BadFile` naming its damaged file (an Arrow shard cut short, a bad JSON)"
+    from datasets import load_from_disk
+    from eagle3nb.recipe import bad_file, read_json
+    d = Path(d)
+    try: return load_from_disk(str(d))
+    except ValueError as e:  # pyarrow's ArrowInvalid, json's and UTF-8's errors are ValueErrors
+        for j in ('state.json', 'dataset_info.json'):
+            if (d/j).is_file(): read_json(d/j, _AGAIN)
+        raise bad_file(_bad_arrow(d) or d, e, _AGAIN, 'Arrow') from None
 
 def check_same_target(inputs:dict): # label -> folder
     "Raise when rendered inputs disagree on tokenizer, chat template or thinking"
+    from eagle3nb.recipe import read_json
     seen = {}
     for k, d in inputs.items():
         p = Path(d)/'render.json'
-        if p.exists(): seen.setdefault(tuple(json.loads(p.read_text())['params'].get(x) for x in _SAME), []).append(k)
+        if p.exists(): seen.setdefault(tuple(read_json(p, _AGAIN)['params'].get(x) for x in _SAME), []).append(k)
     if len(seen) > 1:
         raise ValueError('merge inputs were rendered for different targets (tokenizer_sha256, template_sha256, thinking): '
                          + '; '.join(f"{', '.join(v)}: {tuple(str(x)[:12] for x in t)}" for t, v in seen.items()) + '; render them again')
@@ -250,12 +273,11 @@ def merge_recipe(r,                  # resolved recipe (see `recipe.load_recipe`
                  **over,             # overrides of `phases.merge`: mix, eval_fraction, seed, extra
                 )->dict:             # the corpus.json manifest
     "Merge recipe `r`'s rendered (and `extra`) datasets into `<data_root>/corpus/`, recording fates in the catalog"
-    from datasets import load_from_disk
     from .recipe import fingerprint
     p, out = merge_params(r, **over), Path(r.data_root)/'corpus'
     inputs = merge_inputs(r, p['extra']); check_same_target(inputs)
     claim_output(out, 'merge')  # before the work: a folder merge did not write is refused at once
-    srcs = {k: load_from_disk(str(v)) for k, v in inputs.items()}
+    srcs = {k: load_input(v) for k, v in inputs.items()}
     excluded = catalog_exclusions(r.catalog)
     fp = fingerprint(dict(params=p, inputs={k: d._fingerprint for k, d in srcs.items()}, excluded=sorted(excluded.items())))
     if not force and (m := read_corpus_manifest(out)) and m.get('fingerprint') == fp: return m

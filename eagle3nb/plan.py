@@ -13,7 +13,7 @@ import datetime, inspect, json, math, os, re, shutil
 from dataclasses import dataclass, field, asdict, fields
 from pathlib import Path
 import pandas as pd
-from .recipe import Recipe, RecipeError, load_recipe, default_aux_layers
+from .recipe import Recipe, RecipeError, load_recipe, default_aux_layers, check_aux_layers
 from .catalog import query, partition as _partition
 from .store import bytes_per_token
 from .generate import GEN_DEFAULTS
@@ -95,9 +95,12 @@ def target_dims(r:Recipe, p:PlanParams)->dict:
         if not cfg.exists():
             raise RecipeError(f"no {cfg}: the target is not on this machine; state its dimensions in the recipe under "
                               "phases.plan (hidden_size, num_hidden_layers, vocab_size)")
-        c = json.loads(cfg.read_text()); c = c.get('text_config', c)
+        from eagle3nb.recipe import read_json
+        c = read_json(cfg, "target.model names a model folder whose config.json is damaged: restore it from the model's source")
+        c = c.get('text_config', c)
         stated = {k: v or c[k] for k, v in stated.items()}; src = str(cfg)
-    aux = list(r.target.aux_layers or default_aux_layers(stated['num_hidden_layers']))
+    n = stated['num_hidden_layers']
+    aux = check_aux_layers(r.target.aux_layers if r.target.aux_layers is not None else default_aux_layers(n), n, 'target.aux_layers')
     return dict(**stated, aux_layers=aux, fc_in=len(aux)*stated['hidden_size'], dims_from=src, model_dir=str(model) if model else None)
 
 # %% ../nbs/90_plan.ipynb #4c68f103
@@ -556,6 +559,8 @@ def next_plan_path(out_dir)->Path:
     return Path(out_dir)/f'train_plan_v{max(ns, default=0) + 1}.md'
 
 # %% ../nbs/90_plan.ipynb #a2e448a2
+import tempfile
+
 def write_plan(recipe,              # recipe YAML path, or a resolved `Recipe`
                out_dir=None,        # default plans/<recipe name>/
                return_facts:bool=False, # also return the facts dict
@@ -569,8 +574,10 @@ def write_plan(recipe,              # recipe YAML path, or a resolved `Recipe`
     while True:
         path = next_plan_path(out)
         f = plan_facts(r, version=plan_version(path), recipe_path=rp, **params)
-        tmp = out/f'.{path.name}.{os.getpid()}.tmp'
-        tmp.write_text(plan_markdown(f))
+        fd, tmp = tempfile.mkstemp(prefix=f'.{path.name}.tmp-', dir=out)  # a fresh name: never a user's file
+        tmp = Path(tmp)
+        os.fchmod(fd, 0o644)
+        with open(fd, 'w', encoding='utf-8') as fh: fh.write(plan_markdown(f))
         try: os.link(tmp, path)   # fails if `path` exists: never replaces a plan
         except FileExistsError: continue
         finally: tmp.unlink()

@@ -229,10 +229,13 @@ def _write_prepared(tmp:Path, name:str, rows, rejects, reasons, params, src, t0,
     (tmp/'manifest.json').write_text(json.dumps(m, indent=1))
     return m
 
+_AGAIN = "the prepared dataset is damaged (a copy cut short?): run `eagle3nb prepare` for it again with --force"
+
 def read_manifest(d)->dict|None:
     "The manifest of a prepared directory, None if it is not complete"
+    from eagle3nb.recipe import read_json
     p = Path(d)/'manifest.json'
-    return json.loads(p.read_text()) if p.exists() else None
+    return read_json(p, _AGAIN) if p.exists() else None
 
 # %% ../nbs/13_prepare.ipynb #66180e6f
 def _check_layout(d, m:dict, t): # prepared directory, its manifest, a shard as a pyarrow.Table
@@ -244,12 +247,18 @@ def _check_layout(d, m:dict, t): # prepared directory, its manifest, a shard as 
     return t
 
 # %% ../nbs/13_prepare.ipynb #644c6465
+def _read_shard(f:Path)->pa.Table:
+    "One parquet shard of a prepared dataset; `BadFile` naming it when it is damaged"
+    from eagle3nb.recipe import bad_file
+    try: return pq.read_table(f)
+    except pa.ArrowException as e: raise bad_file(f, e, _AGAIN, 'parquet') from None
+
 def load_prepared(d):
     "A prepared directory as an HF `Dataset` of rows in `record_schema` (nested messages and tools)"
     from datasets import Dataset
     m = read_manifest(d)
     if m is None: raise FileNotFoundError(f"{d}: no manifest.json; run `eagle3nb prepare` for this dataset first")
-    ts = [_check_layout(d, m, pq.read_table(Path(d)/s)) for s in m['shards']]
+    ts = [_check_layout(d, m, _read_shard(Path(d)/s)) for s in m['shards']]
     t = pa.concat_tables(ts) if ts else _check_layout(d, m, _SCHEMA.empty_table())
     return Dataset(t)  # in memory: no copy into the datasets cache
 

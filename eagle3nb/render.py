@@ -8,7 +8,7 @@ __all__ = ['TEMPLATE_RENDERS', 'EMITTERS', 'BOUNDARY', 'RENDER_VERSION', 'STAT_C
            'emit_deepseek', 'emit_glm', 'completion_text', 'template_turn', 'check_event', 'conversation_problem',
            'conversation_events', 'tokenize_events', 'group_events', 'group_sample', 'gen_prompt', 'plan_groups',
            'tokenize_groups', 'template_sha256', 'render_conversations', 'load_tokenizer', 'tokenizer_sha256',
-           'features', 'render_batch', 'render_stats', 'read_render_manifest', 'render_dataset',
+           'chat_tokenizer', 'features', 'render_batch', 'render_stats', 'read_render_manifest', 'render_dataset',
            'read_conversations_jsonl', 'render_jsonl', 'catalog_rows']
 
 # %% ../nbs/20_render.ipynb #90be0290
@@ -220,12 +220,12 @@ from .target import special_texts
 
 def _special(tok)->tuple:
     "`special_texts(tok)`, worked out once per tokenizer (and again if tokens were added)"
-    k, got = len(tok.added_tokens_decoder), getattr(tok, '_eagle3nb_special', None)
+    k, got = len(tok), getattr(tok, '_eagle3nb_special', None)  # len: the vocabulary with its added tokens
     if got is None or got[0] != k: got = tok._eagle3nb_special = (k, special_texts(tok))
     return got[1]
 
 def conversation_problem(c:dict, tok)->str|None: # the reject reason, None when `c` can be rendered for `tok`
-    "Why conversation `c` cannot be rendered for the target of `tok`: unreadable, malformed, or text holding its special tokens"
+    "Why `c` cannot be rendered for `tok`'s target: unreadable, malformed, or text holding its special tokens"
     return c.get('unreadable') or render_problem(c) or special_text_problem(c, _special(tok))
 
 # %% ../nbs/20_render.ipynb #d74672f3
@@ -622,6 +622,17 @@ def tokenizer_sha256(target_dir)->str:
             h.update(f.name.encode()); h.update(f.read_bytes())
     return h.hexdigest()
 
+# %% ../nbs/20_render.ipynb #cf6d73c8
+def chat_tokenizer(target_dir, # the target model directory
+                   trust_remote_code:bool=False, # as `load_tokenizer`
+                  ):
+    "`load_tokenizer(target_dir)`, or `ValueError` naming the target when its tokenizer has no chat template"
+    tok = load_tokenizer(target_dir, trust_remote_code)
+    if not tok.chat_template:
+        raise ValueError(f"{target_dir}: the target has no chat template (no chat_template.jinja, and none in tokenizer_config.json), "
+                         "so no conversation can be rendered; give the target's own tokenizer files with their chat template")
+    return tok
+
 # %% ../nbs/20_render.ipynb #a50509cc
 def features():
     "Columns of a rendered dataset, plus the bookkeeping ones (`reject`, `stored_*`, `fallback`, `renders`) dropped before saving"
@@ -671,8 +682,10 @@ def _stat_table(rows:list):
 # %% ../nbs/20_render.ipynb #027de593
 def read_render_manifest(d)->dict|None:
     "The `render.json` of a rendered directory, None if it is not complete"
+    from eagle3nb.recipe import read_json
     p = Path(d)/'render.json'
-    return json.loads(p.read_text()) if p.exists() else None
+    try: return read_json(p) if p.exists() else None
+    except ValueError: return None  # damaged (not JSON, not UTF-8): not complete, so the dataset is rendered again
 
 
 def _render_params(prepared_dir, target_dir, thinking, merge, trust_remote_code)->dict:
@@ -680,7 +693,7 @@ def _render_params(prepared_dir, target_dir, thinking, merge, trust_remote_code)
     from eagle3nb.prepare import read_manifest
     pm = read_manifest(prepared_dir)
     if pm is None: raise FileNotFoundError(f"{prepared_dir}: no manifest.json; run `eagle3nb prepare` for this dataset first")
-    tok = load_tokenizer(target_dir, trust_remote_code)
+    tok = chat_tokenizer(target_dir, trust_remote_code)
     return dict(render_version=RENDER_VERSION, dataset=pm['name'], prepared_sha256=pm['content_sha256'], tokenizer_sha256=tokenizer_sha256(target_dir),
                 template_sha256=template_sha256(tok), family=template_family(tok.chat_template), thinking=bool(thinking), merge=bool(merge))
 
@@ -751,7 +764,7 @@ def render_jsonl(target_dir, # the target model directory
     "Render canonical conversations to `out_dir/samples.jsonl`: sample_id, input_ids, loss_mask, spans per line"
     if not Path(input_jsonl).is_file(): raise FileNotFoundError(f"{input_jsonl}: no such conversations file (JSON lines)")
     out = claim_output(out_dir, 'render')
-    t0, tok = time.time(), load_tokenizer(model_dir(target_dir), trust_remote_code)
+    t0, tok = time.time(), chat_tokenizer(model_dir(target_dir), trust_remote_code)
     rows = render_conversations(read_conversations_jsonl(input_jsonl), tok, thinking, merge)
     keys = ('sample_id', 'input_ids', 'loss_mask', 'spans')
     with publishing(out, 'render') as tmp:

@@ -223,6 +223,10 @@ def execute_phase(nb:Path,       # phase notebook
         # our Ctrl-C: papermill passes it on to the kernel and raises the cell's KeyboardInterrupt instead
         if getattr(e, 'ename', None) == 'KeyboardInterrupt' or isinstance(e.__context__, KeyboardInterrupt):
             _quiet_asyncio(); raise KeyboardInterrupt() from None
+        from nbclient.exceptions import DeadKernelError
+        if isinstance(e, DeadKernelError):  # killed under us: the OOM killer, a scheduler, kill -9
+            raise PhaseFailed(f"phase {nb.stem}: its kernel died ({str(e).strip() or 'Kernel died'}: out of memory, or killed?); "
+                              f"record so far: {record}; free memory (or lower the phase's batch sizes), then rerun") from None
         if not isinstance(e, PapermillExecutionError): raise
         raise PhaseFailed(f"phase {nb.stem} failed in cell {e.cell_index} (execution count {e.exec_count}): "
                           f"{e.ename}: {e.evalue}\n  record: {record}") from None

@@ -193,7 +193,8 @@ def _found(rx, v)->str|None:
     return next((m.group() for s in _strings(v) if (m := rx.search(s))), None)
 
 # %% ../nbs/10_schema.ipynb #e1b2643f
-_MSG_TEXTS = (('content', 'content'), ('reasoning_content', 'reasoning'), ('name', 'name'), ('tool_call_id', 'tool_call_id'))
+_MSG_TEXTS = (('content', 'content'), ('reasoning_content', 'reasoning'), ('name', 'name'),
+              ('tool_call_id', 'tool_call_id'))
 
 def _args_found(rx, a)->str|None:
     "The first of the regex's strings in tool-call arguments `a`: an object, or JSON text (searched as sent and as parsed)"
@@ -212,7 +213,9 @@ def special_in_message(m:dict, # a message: canonical, or as a server answers it
     for j, tc in enumerate(m.get('tool_calls') or []):
         tc = tc if isinstance(tc, dict) else {}
         f = tc.get('function') if isinstance(tc.get('function'), dict) else {}
-        for k, t in (('name', _found(rx, f.get('name'))), ('id', _found(rx, tc.get('id'))), ('arguments', _args_found(rx, f.get('arguments')))):
+        found = (('name', _found(rx, f.get('name'))), ('id', _found(rx, tc.get('id'))),
+                 ('arguments', _args_found(rx, f.get('arguments'))))
+        for k, t in found:
             if t: return f'tool_calls[{j}] {k} holds the special token {t!r}'
 
 def special_text_problem(c:dict, # a canonical conversation

@@ -292,11 +292,13 @@ def load_prompts(path)->list: # lists of chat messages
     "Prompts from a `.json` list or a `.jsonl` file: each a string, a list of messages, or `{'messages': [...]}`"
     p = Path(path)
     if not p.exists(): raise FileNotFoundError(f'{p}: no such prompts file (a .json list or .jsonl lines of strings or message lists)')
+    from eagle3nb.recipe import read_text
+    text = read_text(p, 'save the prompts as UTF-8 text')
     items, k = [], None  # k: the JSON line being read
     try:
-        if p.suffix == '.json': items = json.loads(p.read_text())
+        if p.suffix == '.json': items = json.loads(text)
         else:
-            for k, l in enumerate(p.read_text().splitlines(), 1):
+            for k, l in enumerate(text.splitlines(), 1):
                 if l.strip(): items.append(json.loads(l))
     except ValueError as e:
         raise ValueError(f"{p} line {k or getattr(e, 'lineno', '?')} is not valid JSON ({str(e).splitlines()[0][:80]}): "
@@ -309,8 +311,9 @@ def bench_record(df:pd.DataFrame, **extra)->dict:
     return dict(**extra, rows=js(df), break_even=js(break_even_table(df)))
 
 def _write_json(path:Path, obj):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f'.{path.name}.tmp'); tmp.write_text(json.dumps(obj, indent=1, default=str)); tmp.replace(path)
+    "Write `obj` as JSON to `path` whole, under a fresh temp name (never a user's `.NAME.tmp`)"
+    from eagle3nb.recipe import atomic_write
+    with atomic_write(path) as f: f.write(json.dumps(obj, indent=1, default=str))
 
 # %% ../nbs/80_servebench.ipynb #fe316461
 def _check_out(out)->Path|None:

@@ -94,6 +94,8 @@ def _next_seq(d:Path, prefix:str)->int:
     return max(seqs, default=-1) + 1
 
 # %% ../nbs/51_store.ipynb #0cb28b20
+from .recipe import output_temp, remove_stale
+
 class ShardWriter:
     "Buffer samples and write them as atomic safetensors shards of about `shard_bytes`"
     def __init__(self, out_dir,               # the store folder (one per split)
@@ -103,8 +105,7 @@ class ShardWriter:
                  on_shard=None):              # called with (path, index rows) after each shard lands
         self.d, self.meta, self.shard_bytes, self.prefix, self.on_shard = Path(out_dir), meta, shard_bytes, prefix, on_shard
         self.d.mkdir(parents=True, exist_ok=True)
-        for t in self.d.glob(f'.{prefix}-*.safetensors.tmp-*'):  # a killed writer's folder (or file); the prefix is ours alone
-            shutil.rmtree(t, ignore_errors=True) if t.is_dir() else t.unlink(missing_ok=True)
+        remove_stale(self.d, 'extract')  # a killed writer's temp folders: marked as extract's by a process that is gone
         self.buf, self.nbytes, self.written = [], 0, []
         self.want = ('input_ids', 'loss_mask') + TENSORS[meta['mode']]
 
@@ -130,8 +131,7 @@ def _flush(self:ShardWriter):
     out['input_ids'], out['loss_mask'] = out['input_ids'].to(torch.int32), out['loss_mask'].to(torch.uint8)
     out['offsets'] = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])  # (n+1,)
     path = self.d/f'{self.prefix}-{_next_seq(self.d, self.prefix):06d}.safetensors'
-    tmp = path.with_name(f'.{path.name}.tmp-{os.getpid()}')  # a folder of ours: safetensors writes its own `.tmpXXXXXX` beside its target
-    tmp.mkdir(exist_ok=True)
+    tmp = output_temp(path, 'extract')  # a fresh folder of ours: safetensors writes its `.tmpXXXXXX` beside its target
     try:
         save_file(out, str(tmp/path.name), metadata=_encode({**self.meta, 'sample_ids': ids}))
         os.replace(tmp/path.name, path)  # atomic: the shard exists whole or not at all
@@ -146,7 +146,7 @@ ShardWriter.flush = _flush
 def open_shard(path):
     "`safe_open` of one shard; `BadFile` naming it when it is truncated or damaged (a copy cut short)"
     from safetensors import SafetensorError
-    from .recipe import bad_file
+    from eagle3nb.recipe import bad_file
     try: return safe_open(str(path), framework='pt')
     except SafetensorError as e:
         hint = (f"the shard is truncated or damaged (a copy cut short?): copy it again, or move it out of {Path(path).parent} "

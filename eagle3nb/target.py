@@ -9,7 +9,7 @@ __all__ = ['FAMILY_TOKENS', 'target_summary', 'template_family', 'token_report',
 # %% ../nbs/04_target.ipynb #7fda1782
 from contextlib import contextmanager
 from pathlib import Path
-from .recipe import Recipe, RecipeError, default_aux_layers
+from .recipe import Recipe, RecipeError, default_aux_layers, check_aux_layers
 
 # %% ../nbs/04_target.ipynb #664cc870
 def target_summary(model_dir, # model directory (HF layout)
@@ -19,8 +19,7 @@ def target_summary(model_dir, # model directory (HF layout)
     from transformers import AutoConfig
     cfg = AutoConfig.from_pretrained(model_dir); t = cfg.get_text_config()
     n, h = t.num_hidden_layers, t.hidden_size
-    aux = list(aux_layers or default_aux_layers(n))
-    if any(not 0 <= a <= n for a in aux): raise RecipeError(f"target.aux_layers {aux}: ids must lie in [0, {n}] for a {n}-layer target")
+    aux = check_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(n), n, 'target.aux_layers')
     return dict(architecture=(cfg.architectures or ['?'])[0], model_type=t.model_type, num_hidden_layers=n,
                 hidden_size=h, vocab_size=t.vocab_size, aux_layers=aux, draft_input_dim=len(aux)*h)
 

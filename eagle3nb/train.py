@@ -420,14 +420,15 @@ def _tied(d:Path)->bool:
 
 def target_tensors(model_dir)->dict: # embed (V, H), lm_head (V, H)
     "The target's input embeddings and lm_head (the embeddings when tied), read from its safetensors files alone"
-    from safetensors import safe_open
+    from eagle3nb.recipe import open_safetensors, WEIGHTS_HINT
+    st = lambda f: open_safetensors(f, WEIGHTS_HINT)
     d = Path(model_dir)
     idx = d/'model.safetensors.index.json'
-    wm = json.loads(idx.read_text())['weight_map'] if idx.exists() else {k: 'model.safetensors' for k in safe_open(str(d/'model.safetensors'), 'pt').keys()}
+    wm = json.loads(idx.read_text())['weight_map'] if idx.exists() else {k: 'model.safetensors' for k in st(d/'model.safetensors').keys()}
     out = {}
     for want, suffix in (('embed', 'embed_tokens.weight'), ('lm_head', 'lm_head.weight')):
         names = sorted((k for k in wm if k.endswith(suffix) and 'mtp' not in k), key=len)  # shortest: the text model's
         if not names and want == 'lm_head' and _tied(d): out['lm_head'] = out['embed']; continue  # tied embeddings
         if not names: raise KeyError(f"{model_dir}: no tensor named *{suffix}" + (" and config.json has tie_word_embeddings false" if want == 'lm_head' else ""))
-        with safe_open(str(d/wm[names[0]]), 'pt') as f: out[want] = f.get_tensor(names[0])
+        with st(d/wm[names[0]]) as f: out[want] = f.get_tensor(names[0])
     return out

@@ -31,7 +31,14 @@ def read_prompts(path, target_dir, n:int=None)->list: # token-id lists
     from transformers import AutoTokenizer
     p = Path(path)
     if not p.is_file(): raise FileNotFoundError(f"no prompts file {p}")
-    recs = [json.loads(l) for l in p.read_text().splitlines() if l.strip()][:n]
+    from eagle3nb.recipe import read_text
+    what = 'write one JSON object a line: prompt_token_ids, prompt (text) or messages'
+    recs = []
+    for k, l in enumerate(read_text(p, 'save the prompts as UTF-8 text').splitlines(), 1):
+        if not l.strip(): continue
+        try: recs.append(json.loads(l))
+        except json.JSONDecodeError as e: raise ValueError(f"{p}: not valid JSON (line {k}): {e.msg}; {what}") from None
+    recs = recs[:n]
     if not recs: raise ValueError(f"{p} holds no prompts (one JSON object a line)")
     from functools import cache
     tok = cache(lambda: AutoTokenizer.from_pretrained(str(target_dir)))
@@ -63,7 +70,9 @@ def _with_maps(sd:dict, c:DraftConfig)->dict:
 def load_draft(draft_dir, target_dir, checkpoint:bool=True)->tuple: # Eagle3Draft (float32, eval), source ('checkpoint ...' | 'export')
     "The draft of an export folder as our torch module: its training checkpoint when recorded and present, else the export"
     d = Path(draft_dir)
-    rec = json.loads((d/'eagle3nb.json').read_text()) if (d/'eagle3nb.json').exists() else {}
+    from eagle3nb.recipe import read_json
+    again = f"the draft's training record is damaged: export it again (eagle3nb export CHECKPOINT --out {d} --data DATA_ROOT)"
+    rec = read_json(d/'eagle3nb.json', again) if (d/'eagle3nb.json').exists() else {}
     ck = rec.get('checkpoint')
     if checkpoint and ck and (Path(ck)/'model.safetensors').exists():
         sd, dc = read_checkpoint(ck); src = f'checkpoint {ck}'
@@ -159,6 +168,7 @@ def verify_report(df:pd.DataFrame)->str:
 def verify_cli(draft, target, prompts=None, recipe=None, n:int=16, max_tokens:int=64, k:int=3, json_out=None,
                offline:bool=None, engine=None)->int:
     "`eagle3nb verify DRAFT --target T`: print the table, write --json; 1 if any check fails"
+    from eagle3nb.recipe import atomic_write
     for p, what in ((draft, 'draft'), (target, 'target')):
         if not (Path(p)/'config.json').is_file(): raise FileNotFoundError(f"{what} {p}: no config.json there (an exported draft / a model folder)")
     if not (prompts or recipe): raise ValueError("give --prompts FILE (JSONL) or --recipe RECIPE (its eval split) to verify on")
@@ -168,5 +178,5 @@ def verify_cli(draft, target, prompts=None, recipe=None, n:int=16, max_tokens:in
     print(verify_report(df))
     if json_out:
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(f'{json_out}.tmp'); tmp.write_text(json.dumps(verify_json(r), indent=1) + '\n'); tmp.replace(json_out)
+        with atomic_write(json_out) as f: f.write(json.dumps(verify_json(r), indent=1) + '\n')  # a fresh temp name
     return int((df.status == 'FAIL').any())

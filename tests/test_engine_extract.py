@@ -220,3 +220,30 @@ def test_bad_spool_file_asked_again_and_too_long_sample_named(qwen3):
     corpus(Path(long.data_root), ts['vocab_size'], 1, 2100, 2100, seed=4)  # the server's --max-model-len is 2048
     with pytest.raises(EngineExtractError, match=r'sample x4-0000: .*HTTP 400'):
         extract_recipe_engine(long, modes='bf16', splits='train', progress=False, log=lambda *a: None)
+
+
+_LAUNCH = """
+import sys
+from eagle3nb.engine_extract import extract_recipe_engine
+from eagle3nb.recipe import load_recipe
+extract_recipe_engine(load_recipe(sys.argv[1]), modes='bf16', splits='train', shard_mb=0.02, concurrency=2, progress=False)
+"""
+
+def test_kill9_of_extract_takes_the_engine_it_launched_with_it(tmp_path):
+    """`kill -9` of an extraction that launched its own vLLM server (as a node's OOM killer would): the server, its
+    engine core and workers go too (the guard's doing), so no orphan holds the GPU, its memory or its port"""
+    import psutil
+    r = recipe_for(tmp_path, 'qwen3-tiny')
+    corpus(Path(r.data_root), target_summary(r.target.model)['vocab_size'], 400, 16, 64, seed=3)
+    path = save_recipe(r, tmp_path/'recipe.yaml')
+    store = Path(r.data_root)/'hidden'/'bf16'/'train'
+    p = subprocess.Popen([sys.executable, '-c', _LAUNCH, str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    while len(shard_files(store)) < 2 and p.poll() is None: time.sleep(0.05)  # ready: the engine answers, shards land
+    assert p.poll() is None, f'the extraction ended before the kill: {p.stderr.read().decode()[-2000:]}'
+    kids = psutil.Process(p.pid).children(recursive=True)
+    assert any('vllm' in ' '.join(k.cmdline()) for k in kids), [k.cmdline()[:4] for k in kids]
+    p.send_signal(signal.SIGKILL); p.wait()
+    t0 = time.monotonic()
+    _, alive = psutil.wait_procs(kids, timeout=180)  # a hang guard: the guard SIGKILLs what outlives its grace
+    print(f'{len(kids)} processes of the killed extraction gone {time.monotonic() - t0:.1f} s after the kill')
+    assert alive == [], [a.cmdline()[:4] for a in alive]
