@@ -22,6 +22,7 @@ from .extract import (_check_request, _finish, _plan_modes, _row, _sample_tensor
                               check_layer_weights)
 from .store import ShardWriter, done_ids, record_index, sync_index, validate
 from .recipe import Recipe, load_recipe
+from .server import hold_lock, owned_by, reap_leftovers
 
 # %% ../nbs/52_engine_extract.ipynb #25b9f0dc
 CONNECTOR_MODULE, CONNECTOR_CLASS = 'eagle3nb_hs_connector', 'SyncHiddenStatesConnector'
@@ -357,17 +358,21 @@ def extract_recipe_engine(recipe,              # recipe YAML path or resolved `R
     conc = int(concurrency or ph.get('concurrency') or 8)
     max_len = max(max(len(x) for x in ds['input_ids']) for ds in corpora.values())
     rows = []
-    with engine_session(r, ts['aux_layers'] + [ts['num_hidden_layers']], spool or ph.get('spool', ''), max_len, dtype, log) as (urls, model, sp, own):
-        from eagle3nb.recipe import api_key
-        client = EngineClient(urls, model, sp, api_key=api_key(r) if r.target.api_key_env else None, concurrency=conc)
-        for s, ds in corpora.items():  # every mode of a split from one pass: one request per sample
-            outs = {mode: root/'hidden'/mode/s for mode in ml}
-            sts = extract_engine_modes(client, ds, outs, r.target.model, ts['aux_layers'], d2t, topk, conc, int(shard_mb * (1 << 20)),
-                                       r.catalog, tid, tsha, own_spool=own, progress=progress)
-            for mode, out in outs.items():
-                st = sts[mode]
-                rep = validate(out, corpus=ds, expect=dict(mode=mode, target=tid, template_sha256=tsha, layer_ids=ts['aux_layers']))
-                rows.append(_row(mode, s, st, rep) | dict(requests=st['requests']))
-                log(f'vllm: {mode}/{s}: {st["samples"]} new samples, {st["tokens"]} tokens, {st["tokens_per_s"]:.0f} tokens/s, '
-                    f'{st["requests"]} engine requests' + (f' for {"+".join(ml)}' if len(ml) > 1 else ''))
+    lock = root/'hidden'/'.engine'/'.lock'  # one engine extraction of a data root at a time
+    with hold_lock(lock, f'extract --engine vllm of {root}'), owned_by(f'extract:{root.resolve()}') as tag:
+        if pids := reap_leftovers(tag):  # what a killed extraction of this data root left running (its guard killed too)
+            log(f"stopped {len(pids)} process(es) left by an earlier, killed extraction: pids {', '.join(map(str, pids))}")
+        with engine_session(r, ts['aux_layers'] + [ts['num_hidden_layers']], spool or ph.get('spool', ''), max_len, dtype, log) as (urls, model, sp, own):
+            from eagle3nb.recipe import api_key
+            client = EngineClient(urls, model, sp, api_key=api_key(r) if r.target.api_key_env else None, concurrency=conc)
+            for s, ds in corpora.items():  # every mode of a split from one pass: one request per sample
+                outs = {mode: root/'hidden'/mode/s for mode in ml}
+                sts = extract_engine_modes(client, ds, outs, r.target.model, ts['aux_layers'], d2t, topk, conc, int(shard_mb * (1 << 20)),
+                                           r.catalog, tid, tsha, own_spool=own, progress=progress)
+                for mode, out in outs.items():
+                    st = sts[mode]
+                    rep = validate(out, corpus=ds, expect=dict(mode=mode, target=tid, template_sha256=tsha, layer_ids=ts['aux_layers']))
+                    rows.append(_row(mode, s, st, rep) | dict(requests=st['requests']))
+                    log(f'vllm: {mode}/{s}: {st["samples"]} new samples, {st["tokens"]} tokens, {st["tokens_per_s"]:.0f} tokens/s, '
+                        f'{st["requests"]} engine requests' + (f' for {"+".join(ml)}' if len(ml) > 1 else ''))
     return sorted(rows, key=lambda x: ml.index(x['mode']))  # mode by mode, as the HF path lists them

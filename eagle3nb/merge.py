@@ -227,7 +227,7 @@ def _bad_arrow(d:Path)->Path|None:
         except pa.ArrowException: return f
     return None
 
-def load_input(d)->'datasets.Dataset':
+def load_input(d): # -> datasets.Dataset
     "A rendered (or generated) dataset folder; `BadFile` naming its damaged file (an Arrow shard cut short, a bad JSON)"
     from datasets import load_from_disk
     from eagle3nb.recipe import bad_file, read_json
