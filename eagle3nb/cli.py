@@ -342,10 +342,14 @@ def main(argv=None):
         a.fn(a)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM where a verb turns it into one
         if os.environ.get('EAGLE3NB_DEBUG'): raise
-        why = 'SIGTERM' if str(e) == 'SIGTERM' else 'Ctrl-C'
-        told = str(e) if e.args and why == 'Ctrl-C' else ''  # a verb that says itself what it recorded (the runner)
-        print(f'eagle3nb {a.verb}: ' + (told or f'interrupted ({why}): {_interrupted(a)}'), file=sys.stderr)
-        sys.exit(143 if why == 'SIGTERM' else 130)
+        term = str(e) == 'SIGTERM' or getattr(e, 'sigterm', False)
+        why = 'SIGTERM' if term else 'Ctrl-C'
+        told = str(e) if e.args and str(e) != 'SIGTERM' else ''  # a verb that says itself what it recorded (the runner)
+        print(f'eagle3nb {a.verb}: ' + (told or f'interrupted ({why}): {_interrupted(a)}'), file=sys.stderr, flush=True)
+        code = 143 if term else 130
+        # the command itself, after a run: the kernel client's abandoned zmq/asyncio objects would print at exit
+        if argv is None and a.verb == 'run': os._exit(code)
+        sys.exit(code)
     except Exception as e:
         msg = None if os.environ.get('EAGLE3NB_DEBUG') else _user_message(e, a, _flag_names(p, a))
         if msg is None: raise

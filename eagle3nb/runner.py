@@ -401,9 +401,11 @@ def _run_one(stem, nb, run_dir, frozen, params, fp, state, stream):
         why = 'SIGTERM' if str(e) == 'SIGTERM' else 'Ctrl-C'
         st.update(status='interrupted', error=f'interrupted ({why})', seconds=round(time.time()-st['started'], 2))
         save_state(run_dir, state); _log_run(state, stem, 'interrupted')
-        raise RunInterrupted(f"run {state['run_id']} interrupted ({why}) in phase {stem}: recorded as interrupted in "
-                             f"{run_dir/'run.json'}, its record kept; `{_resume(state)}` resumes it "
-                             "(completed phases are skipped)") from None
+        stop = RunInterrupted(f"run {state['run_id']} interrupted ({why}) in phase {stem}: recorded as interrupted in "
+                              f"{run_dir/'run.json'}, its record kept; `{_resume(state)}` resumes it "
+                              "(completed phases are skipped)")
+        stop.sigterm = why == 'SIGTERM'
+        raise stop from None
     st.update(status='completed', seconds=round(time.time()-st['started'], 2)); save_state(run_dir, state)
     _log_run(state, stem, 'ok')
 

@@ -657,8 +657,10 @@ def test_ctrl_c_in_a_verb_is_one_line_and_exit_130(tmp_path):
 _HOLD = """import os, subprocess, sys, time
 from pathlib import Path
 rd = Path(run_dir)
-kid = subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(600)'])
-(rd/'kid.pid').write_text(str(kid.pid))
+kid_src = 'import os, signal, sys, time; signal.signal(signal.SIGINT, signal.SIG_IGN); ' \\
+          'open(sys.argv[1] + ".tmp", "w").write(str(os.getpid())); os.rename(sys.argv[1] + ".tmp", sys.argv[1]); time.sleep(600)'
+kid = subprocess.Popen([sys.executable, '-c', kid_src, str(rd/'kid.pid')])  # a worker the phase started; it ignores Ctrl-C
+while not (rd/'kid.pid').exists(): time.sleep(0.05)
 while (rd.parent.parent/'block').exists(): time.sleep(0.05)"""
 
 def hold_repo(d:Path)->Path:
@@ -705,8 +707,8 @@ def test_ctrl_c_records_interrupted_reaps_children_and_the_lock_refuses_a_second
     assert json.loads((rd/'run.json').read_text())['phases']['00_hold']['status'] == 'running'  # untouched by the refusal
     p.send_signal(signal.SIGINT); out, err = p.communicate(timeout=300)
     assert p.returncode == 130 and 'Traceback' not in err, err[-3000:]
-    lines = [l for l in err.splitlines() if 'error:' in l or 'interrupted' in l]
-    assert any('interrupted' in l and '--run-id x' in l for l in lines), err[-2000:]
+    lines = [l for l in err.splitlines() if l.startswith('eagle3nb run:')]
+    assert len(lines) == 1 and 'interrupted (Ctrl-C) in phase 00_hold' in lines[0] and '--run-id x' in lines[0], err[-2000:]
     st = json.loads((rd/'run.json').read_text())['phases']['00_hold']
     assert st['status'] == 'interrupted' and 'Ctrl-C' in st['error'], st
     assert gone(kid) and leftovers(f'run:{rd.resolve()}') == []
@@ -749,3 +751,18 @@ def test_a_kernel_killed_under_its_phase_is_recorded_failed_and_its_children_rea
     st = json.loads((rd/'run.json').read_text())['phases']['00_hold']
     assert st['status'] == 'failed' and 'kernel died' in st['error'], st
     assert gone(int((rd/'kid.pid').read_text())) and leftovers(f'run:{rd.resolve()}') == []
+
+def test_sigterm_of_a_run_is_recorded_interrupted_with_exit_143(tmp_path):
+    "A scheduler's stop (SIGTERM) is handled as a Ctrl-C: exit 143, one line, the phase `interrupted (SIGTERM)`, no orphan"
+    import signal
+    from eagle3nb.server import leftovers
+    hold_repo(tmp_path); rd = tmp_path/'papermill_runs'/'t'
+    p = start_run(tmp_path, 't')
+    wait_for(lambda: (rd/'kid.pid').exists(), p)
+    kid = int((rd/'kid.pid').read_text())
+    p.send_signal(signal.SIGTERM); out, err = p.communicate(timeout=300)
+    assert p.returncode == 143 and 'Traceback' not in err, err[-3000:]
+    assert [l for l in err.splitlines() if l.startswith('eagle3nb run:')] == [l for l in err.splitlines() if 'resumes it' in l], err[-2000:]
+    st = json.loads((rd/'run.json').read_text())['phases']['00_hold']
+    assert st['status'] == 'interrupted' and 'SIGTERM' in st['error'], st
+    assert gone(kid) and leftovers(f'run:{rd.resolve()}') == []
