@@ -602,7 +602,7 @@ def test_bad_input(case, shared, tmp_path):
 
 def test_enough_bad_inputs_across_the_verbs():
     verbs = {c['name'].split()[0] for c in CASES}
-    assert len(CASES) >= 40 and len(verbs) >= 12, (len(CASES), sorted(verbs))
+    assert len(CASES) >= 185 and len(verbs) >= 14, (len(CASES), sorted(verbs))
 
 def test_own_output_is_replaced(shared, tmp_path):
     "The refusals above never block a rerun: a verb replaces what it wrote itself (through a link too), and nothing beside it"
