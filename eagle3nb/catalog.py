@@ -65,7 +65,8 @@ class CatalogUnreadable(ValueError):
 def _unreadable(path:Path, e=None)->CatalogUnreadable:
     "The one line for a catalog path DuckDB cannot open: which file, why, and what to do (the file is kept)"
     if path.is_dir(): why = 'is a folder, not a DuckDB file'
-    elif e is None or 'not a valid DuckDB' in str(e): why = 'is not a DuckDB database (a file of another kind, or a damaged one)'
+    elif e is None or 'not a valid DuckDB' in str(e):
+        why = 'is not a DuckDB database (a file of another kind, or a damaged one)'
     else: why = f"cannot be opened ({str(e).splitlines()[0]})"
     return CatalogUnreadable(f"catalog {path} {why}: point the recipe's `catalog:` at the catalog file eagle3nb made, "
                              "or at a new file path (it is created); what is there is left as it is")

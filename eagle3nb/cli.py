@@ -19,7 +19,8 @@ def _draft_dir(d)->Path:
     "An exported draft folder (with its config.json), else `FileNotFoundError`"
     if not (Path(d)/'config.json').is_file(): raise FileNotFoundError(f"{d}: no exported draft here (no config.json); run `eagle3nb export CHECKPOINT --out {d}` first")
     from eagle3nb.recipe import read_json
-    read_json(Path(d)/'config.json', f"the draft's config.json is damaged: export it again (eagle3nb export CHECKPOINT --out {d})")
+    read_json(Path(d)/'config.json',
+              f"the draft's config.json is damaged: export it again (eagle3nb export CHECKPOINT --out {d})")
     return Path(d)
 
 _POSITIVE = ('limit', 'count', 'tp', 'num_steps', 'topk', 'draft_vocab', 'token_budget', 'n', 'max_tokens', 'port', 'num_speculative_tokens')  # counts and sizes
@@ -28,7 +29,8 @@ def _check_args(a):
     "Refuse what no verb can use, naming the option: a count below 1, a model, draft or target folder that is not one"
     import re
     from eagle3nb.recipe import model_dir
-    if (v := getattr(a, 'port', None)) is not None and not 1 <= v <= 65535: raise ValueError(f"--port {v}: give a port from 1 to 65535")
+    if (v := getattr(a, 'port', None)) is not None and not 1 <= v <= 65535:
+        raise ValueError(f"--port {v}: give a port from 1 to 65535")
     for k in _POSITIVE:
         if (v := getattr(a, k, None)) is not None and v < 1: raise ValueError(f"{'-n' if k == 'n' else '--' + k.replace('_', '-')} {v}: give a positive integer")
     if a.verb == 'serve' and not re.fullmatch(r'[\w.-]+/[\w.-]+', a.model_dir): model_dir(a.model_dir, 'model_dir')  # a hub id is the server's to fetch
@@ -259,7 +261,8 @@ def _flag_names(p:argparse.ArgumentParser, a)->dict:
     for act in p._actions:
         if isinstance(act, argparse._SubParsersAction):
             if (name := getattr(a, act.dest, None)) in act.choices: out.update(_flag_names(act.choices[name], a))
-        elif act.dest != 'help': out[act.dest] = max(act.option_strings, key=len) if act.option_strings else act.dest.upper()
+        elif act.dest != 'help':
+            out[act.dest] = max(act.option_strings, key=len) if act.option_strings else act.dest.upper()
     return out
 
 def _flag_of(a, path, flags:dict)->tuple:
@@ -296,7 +299,8 @@ def _os_message(e:OSError,   # an OSError that names a path (`e.filename`)
     who = f"{flag} " if flag else ''
     if e.errno == errno.ENAMETOOLONG:
         n = max(len(c.encode()) for c in path.parts)
-        return f"{who}{_short(path)}: a name in this path is {n} bytes long, more than the file system allows (255); give a shorter name"
+        return (f"{who}{_short(path)}: a name in this path is {n} bytes long, "
+                "more than the file system allows (255); give a shorter name")
     up = next((q for q in (path, *path.parents) if os.path.lexists(q)), None)  # the nearest part that is there
     if e.errno in (errno.ENOTDIR, errno.EEXIST) and up is not None and not up.is_dir():
         if up == path: return f"{who}{path}: is a file, not a folder; give a folder (the file is kept)"

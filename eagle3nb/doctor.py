@@ -319,7 +319,9 @@ def check_aux_layer_ids(x:DraftExport)->list:
                else f"SGLang (ids + 1 = {[k + 1 for k in s]}) and vLLM ({v}) capture different layers")
         out.append(finding(n, 'FAIL', f"eagle_config ids {s} are not the top-level ids {v} minus 1: {why}; one engine feeds the draft the wrong layers: low acceptance, no error. Set eagle_config.eagle_aux_hidden_state_layer_ids to {[k - 1 for k in v]}."))
     try: check_aux_layers(v, N, 'eagle_aux_hidden_state_layer_ids')
-    except RecipeError as e: out.append(finding(n, 'FAIL', f"{e}: the draft was made for another target or the config is corrupt. Re-export with the training aux layers."))
+    except RecipeError as e:
+        out.append(finding(n, 'FAIL', f"{e}: the draft was made for another target or the config is corrupt. "
+                                      "Re-export with the training aux layers."))
     r = x.record
     a = [int(k) for k in r.get('aux_layers') or []] if r is not None else None
     if r is None: out.append(finding(n, 'n/a', _no_record(x.dir)))

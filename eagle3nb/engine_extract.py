@@ -18,8 +18,8 @@ import httpx, torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 from .engine import EngineError, VllmServer, engine_info, vllm_python
-from .extract import (_check_request, _finish, _plan_modes, _row, _sample_tensors, corpus_splits, load_d2t, preflight, target_id,
-                              check_layer_weights)
+from .extract import (_check_request, _finish, _plan_modes, _row, _sample_tensors, corpus_splits, load_d2t,
+                              preflight, target_id, check_layer_weights)
 from .store import ShardWriter, done_ids, record_index, sync_index, validate
 from .recipe import Recipe, load_recipe
 from .server import hold_lock, owned_by, reap_leftovers
@@ -347,7 +347,8 @@ def extract_recipe_engine(recipe,              # recipe YAML path or resolved `R
         from eagle3nb.toy import ensure_toy
         r = r.model_copy(deep=True); r.target.model = str(ensure_toy(r.target.toy, r.target.model))
     ph = r.phases.get('extract', {})
-    if not r.target.endpoints or r.target.served_here: check_layer_weights(r.target.model)  # the engine we launch loads it
+    if not r.target.endpoints or r.target.served_here:
+        check_layer_weights(r.target.model)  # the engine we launch loads it
     root, ml, sl = Path(r.data_root), [m.strip() for m in modes.split(',') if m.strip()], [s.strip() for s in splits.split(',') if s.strip()]
     _check_request(root, ml, sl)
     corpora = corpus_splits(root, sl, log)
@@ -360,19 +361,26 @@ def extract_recipe_engine(recipe,              # recipe YAML path or resolved `R
     rows = []
     lock = root/'hidden'/'.engine'/'.lock'  # one engine extraction of a data root at a time
     with hold_lock(lock, f'extract --engine vllm of {root}'), owned_by(f'extract:{root.resolve()}') as tag:
-        if pids := reap_leftovers(tag):  # what a killed extraction of this data root left running (its guard killed too)
-            log(f"stopped {len(pids)} process(es) left by an earlier, killed extraction: pids {', '.join(map(str, pids))}")
-        with engine_session(r, ts['aux_layers'] + [ts['num_hidden_layers']], spool or ph.get('spool', ''), max_len, dtype, log) as (urls, model, sp, own):
+        # what a killed extraction of this data root left running (its guard killed too)
+        if pids := reap_leftovers(tag):
+            log(f"stopped {len(pids)} process(es) left by an earlier, killed extraction: "
+                f"pids {', '.join(map(str, pids))}")
+        with engine_session(r, ts['aux_layers'] + [ts['num_hidden_layers']], spool or ph.get('spool', ''),
+                            max_len, dtype, log) as (urls, model, sp, own):
             from eagle3nb.recipe import api_key
-            client = EngineClient(urls, model, sp, api_key=api_key(r) if r.target.api_key_env else None, concurrency=conc)
+            client = EngineClient(urls, model, sp, api_key=api_key(r) if r.target.api_key_env else None,
+                                  concurrency=conc)
             for s, ds in corpora.items():  # every mode of a split from one pass: one request per sample
                 outs = {mode: root/'hidden'/mode/s for mode in ml}
-                sts = extract_engine_modes(client, ds, outs, r.target.model, ts['aux_layers'], d2t, topk, conc, int(shard_mb * (1 << 20)),
-                                           r.catalog, tid, tsha, own_spool=own, progress=progress)
+                sts = extract_engine_modes(client, ds, outs, r.target.model, ts['aux_layers'], d2t, topk, conc,
+                                           int(shard_mb * (1 << 20)), r.catalog, tid, tsha, own_spool=own,
+                                           progress=progress)
                 for mode, out in outs.items():
                     st = sts[mode]
-                    rep = validate(out, corpus=ds, expect=dict(mode=mode, target=tid, template_sha256=tsha, layer_ids=ts['aux_layers']))
+                    rep = validate(out, corpus=ds,
+                                   expect=dict(mode=mode, target=tid, template_sha256=tsha, layer_ids=ts['aux_layers']))
                     rows.append(_row(mode, s, st, rep) | dict(requests=st['requests']))
-                    log(f'vllm: {mode}/{s}: {st["samples"]} new samples, {st["tokens"]} tokens, {st["tokens_per_s"]:.0f} tokens/s, '
+                    log(f'vllm: {mode}/{s}: {st["samples"]} new samples, {st["tokens"]} tokens, '
+                        f'{st["tokens_per_s"]:.0f} tokens/s, '
                         f'{st["requests"]} engine requests' + (f' for {"+".join(ml)}' if len(ml) > 1 else ''))
     return sorted(rows, key=lambda x: ml.index(x['mode']))  # mode by mode, as the HF path lists them

@@ -25,7 +25,8 @@ def read_checkpoint(ckpt_dir)->tuple: # state dict, draft config dict
     if not f.exists(): raise ExportError(f"no model.safetensors in {ckpt_dir}")
     from safetensors import SafetensorError
     from eagle3nb.recipe import bad_file
-    hint = "the checkpoint is truncated or damaged (a copy cut short?): export another step's checkpoint, or copy this one again"
+    hint = ("the checkpoint is truncated or damaged (a copy cut short?): export another step's checkpoint, "
+            "or copy this one again")
     try:
         with safe_open(str(f), 'pt') as s: meta = s.metadata() or {}
         sd = load_file(str(f)) if 'draft_config' in meta else None
@@ -115,8 +116,10 @@ def training_record(data_root,            # the recipe's data root, e.g. data/<r
     for mode in sorted((root/'hidden').glob('*')):
         if shards := sorted((mode/'train').glob('*.safetensors')):
             try:
-                with safe_open(str(shards[0]), 'pt') as s: shard_meta.append({k: json.loads(v) for k, v in (s.metadata() or {}).items()})
-            except (SafetensorError, json.JSONDecodeError) as e: raise bad_file(shards[0], e, again('extract'), 'safetensors') from None
+                with safe_open(str(shards[0]), 'pt') as s:
+                    shard_meta.append({k: json.loads(v) for k, v in (s.metadata() or {}).items()})
+            except (SafetensorError, json.JSONDecodeError) as e:
+                raise bad_file(shards[0], e, again('extract'), 'safetensors') from None
     aux = _distinct(tuple(m['layer_ids']) for m in shard_meta if 'layer_ids' in m)
     if len(aux) > 1: raise ExportError(f"{root}/hidden: stores extracted at different aux layers {aux}; re-extract one of them")
     vj = root/'vocab'/'vocab.json'

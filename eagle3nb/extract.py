@@ -25,8 +25,12 @@ def load_target(model_dir,                 # HF model folder
     from transformers import AutoModelForCausalLM
     from safetensors import SafetensorError
     from eagle3nb.recipe import check_weights
-    try: m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code)
-    except SafetensorError: check_weights(model_dir); raise  # names the file cut short
+    try:
+        m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map=device_map,
+                                                 trust_remote_code=trust_remote_code)
+    except SafetensorError:
+        check_weights(model_dir)
+        raise  # names the file cut short
     return m.eval().requires_grad_(False)
 
 def target_id(model_dir)->str:
@@ -50,7 +54,9 @@ def weight_layers(model_dir)->set|None: # decoder layer ids; None: no safetensor
     d = Path(model_dir)
     idx = sorted(d.glob('*.safetensors.index.json'))
     files = sorted(d.glob('*.safetensors'))
-    try: keys = list(json.loads(idx[0].read_text())['weight_map']) if idx else [k for f in files for k in _header_keys(f)]
+    try:
+        keys = (list(json.loads(idx[0].read_text())['weight_map']) if idx
+                else [k for f in files for k in _header_keys(f)])
     except (OSError, ValueError, KeyError, TypeError): return None  # unreadable weights: loading them says why
     if not keys: return None
     return {int(m.group(1)) for k in keys if not any(w in k for w in _NOT_TEXT) and (m := _LAYER_KEY.search(k))}
@@ -59,16 +65,18 @@ def check_layer_weights(model_dir,           # the target model folder
                         what:str='target.model', # the key or option that named it, for the message
                        ):
     "`ValueError` when `config.json` declares more decoder layers than the weights hold (the rest would be random)"
-    try: c = json.loads((Path(model_dir)/'config.json').read_text()); n = int(c.get('text_config', c)['num_hidden_layers'])
+    try:
+        c = json.loads((Path(model_dir)/'config.json').read_text())
+        n = int(c.get('text_config', c)['num_hidden_layers'])
     except (OSError, ValueError, KeyError, TypeError): return  # no readable depth: loading the target says why
     have = weight_layers(model_dir)
     if have is None: return
     missing = sorted(set(range(n)) - have)
     if not missing: return
     gone = ', '.join(map(str, missing[:6])) + (', ...' if len(missing) > 6 else '')
-    raise ValueError(f"{what} {model_dir}: config.json declares {n} layers (num_hidden_layers) but its weights hold {n - len(missing)} "
-                     f"(no weights for layers {gone}), which would run randomly initialised; give the complete checkpoint "
-                     "or fix num_hidden_layers")
+    raise ValueError(f"{what} {model_dir}: config.json declares {n} layers (num_hidden_layers) but its weights hold "
+                     f"{n - len(missing)} (no weights for layers {gone}), which would run randomly initialised; "
+                     "give the complete checkpoint or fix num_hidden_layers")
 
 # %% ../nbs/50_extract.ipynb #ee4ec820
 def _decoder(model): return model.get_decoder()  # the text decoder, also inside multimodal wrappers

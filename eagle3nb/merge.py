@@ -186,7 +186,9 @@ def read_corpus_manifest(out_dir)->dict|None:
     "The `corpus.json` of a corpus folder, None when there is none"
     from eagle3nb.recipe import read_json
     p = Path(out_dir)/'corpus.json'
-    return read_json(p, 'the corpus manifest is damaged: run `eagle3nb merge RECIPE --force` to write the corpus again') if p.exists() else None
+    return (read_json(p, 'the corpus manifest is damaged: '
+                         'run `eagle3nb merge RECIPE --force` to write the corpus again')
+            if p.exists() else None)
 
 def load_corpus(out_dir, split:str='train'):
     "One split of a saved corpus, as a `datasets.Dataset`"

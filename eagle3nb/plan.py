@@ -96,11 +96,13 @@ def target_dims(r:Recipe, p:PlanParams)->dict:
             raise RecipeError(f"no {cfg}: the target is not on this machine; state its dimensions in the recipe under "
                               "phases.plan (hidden_size, num_hidden_layers, vocab_size)")
         from eagle3nb.recipe import read_json
-        c = read_json(cfg, "target.model names a model folder whose config.json is damaged: restore it from the model's source")
+        c = read_json(cfg, "target.model names a model folder whose config.json is damaged: "
+                           "restore it from the model's source")
         c = c.get('text_config', c)
         stated = {k: v or c[k] for k, v in stated.items()}; src = str(cfg)
     n = stated['num_hidden_layers']
-    aux = check_aux_layers(r.target.aux_layers if r.target.aux_layers is not None else default_aux_layers(n), n, 'target.aux_layers')
+    aux = check_aux_layers(r.target.aux_layers if r.target.aux_layers is not None else default_aux_layers(n), n,
+                           'target.aux_layers')
     return dict(**stated, aux_layers=aux, fc_in=len(aux)*stated['hidden_size'], dims_from=src, model_dir=str(model) if model else None)
 
 # %% ../nbs/90_plan.ipynb #4c68f103
@@ -332,7 +334,8 @@ def _extract_cmds(f:dict, run)->list:
         cli = f'eagle3nb extract {R} --modes {modes} --device-map auto'
         if per_node > 1:  # several copies per node: each rank sees only its own GPUs
             g = p['gpus_per_target']
-            cli = 'bash -c ' + _q(f"CUDA_VISIBLE_DEVICES=$(seq -s, $((LOCAL_RANK*{g})) $((LOCAL_RANK*{g}+{g-1}))) {cli}")
+            cli = 'bash -c ' + _q(f"CUDA_VISIBLE_DEVICES=$(seq -s, $((LOCAL_RANK*{g})) "
+                                  f"$((LOCAL_RANK*{g}+{g-1}))) {cli}")
         lines += [f"# one target copy per {p['gpus_per_target']} GPUs (device_map auto), {p['extract_nodes']} node(s); "
                   'data root on a file system every node shares:',
                   f"{_torchrun(p['extract_nodes'], per_node)} --no-python {cli}"]
@@ -397,7 +400,9 @@ def commands(r:Recipe, f:dict)->list: # (phase, what it does, command lines); '#
          [f'eagle3nb verify {D}/export --target {M} --recipe {R} --json papermill_runs/{RUN}/verify.json   # EAGLE3NB_VLLM: your vLLM venv',
           f'# or: {run("verify")}   # the offline estimate is skipped for a target too big to load here']),
         ('serve_bench', 'output tok/s, TTFT and accept length against the target alone',
-         [f"eagle3nb serve-bench --baseline {base} --speculative {spec} --model {_q(r.target.served_name) if r.target.served_name else '$MODEL'} --recipe {R} --concurrency {conc}",
+         [(f"eagle3nb serve-bench --baseline {base} --speculative {spec} "
+           f"--model {_q(r.target.served_name) if r.target.served_name else '$MODEL'} "
+           f"--recipe {R} --concurrency {conc}"),
           f'# or: {run("serve_bench")}' + ('   # with phases.serve_bench.speculative set to the speculative URL' if spec == '$SPEC_URL' else '')]),
         ('plan', 'this document as a phase (its record goes with the run)', [run('plan')])]
 

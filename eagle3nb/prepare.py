@@ -213,7 +213,8 @@ def _nothing_kept(path, fmt, kind, n, reasons, first)->str:
 # %% ../nbs/13_prepare.ipynb #d9423fac
 def _publish(dst:Path, rows, rejects, reasons, params, src, t0, shard_rows)->dict:
     "Write shards, rejects and manifest to a fresh temp folder and publish it at `dst` (see `recipe.publishing`)"
-    with publishing(dst, 'prepare') as tmp: m = _write_prepared(tmp, dst.name, rows, rejects, reasons, params, src, t0, shard_rows)
+    with publishing(dst, 'prepare') as tmp:
+        m = _write_prepared(tmp, dst.name, rows, rejects, reasons, params, src, t0, shard_rows)
     return m
 
 def _write_prepared(tmp:Path, name:str, rows, rejects, reasons, params, src, t0, shard_rows)->dict:

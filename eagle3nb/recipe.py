@@ -172,7 +172,8 @@ def read_json(path,                        # a JSON file a user gave or a verb w
     except json.JSONDecodeError as e: raise bad_file(path, e, hint) from None
 
 # %% ../nbs/00_recipe.ipynb #a383ab54
-WEIGHTS_HINT = "the model's weights are truncated or damaged (a download or copy cut short?): download or copy them again"
+WEIGHTS_HINT = ("the model's weights are truncated or damaged (a download or copy cut short?): "
+                "download or copy them again")
 
 def open_safetensors(path,                      # a .safetensors file
                      hint:str='fix or replace it', # what to do when it does not open
@@ -204,7 +205,8 @@ class UniqueKeyLoader(yaml.SafeLoader):
             try: first = seen.get(key)
             except TypeError: continue  # an unhashable key: SafeLoader refuses it itself
             if first:
-                msg = f"duplicate key {key!r}, first at line {first}: YAML would keep only the last value; write it once"
+                msg = (f"duplicate key {key!r}, first at line {first}: "
+                       "YAML would keep only the last value; write it once")
                 raise DuplicateKey(problem=msg, problem_mark=k.start_mark)
             seen[key] = k.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
@@ -289,7 +291,9 @@ def fingerprint(obj)->str:
 # %% ../nbs/00_recipe.ipynb #7fc77fd8
 def default_aux_layers(n_layers:int)->list[int]:
     "EAGLE-3's default target layers `[2, N//2, N-3]` (input-of-layer ids)"
-    if n_layers < 7: raise RecipeError(f"a target with {n_layers} layers has no three distinct default aux layers; set target.aux_layers")
+    if n_layers < 7:
+        raise RecipeError(f"a target with {n_layers} layers has no three distinct default aux layers; "
+                          "set target.aux_layers")
     return [2, n_layers//2, n_layers-3]
 
 # %% ../nbs/00_recipe.ipynb #896e9667
@@ -350,11 +354,13 @@ def claim_output(path,     # the folder the verb is about to write (or replace);
     at = f"{p} (a link to {real})" if real != p else str(p)
     if not real.exists(): return p
     if not real.is_dir():
-        raise FileExistsError(f"{at} is a file, not a folder: {verb} writes a folder there and never replaces a file; give another path")
+        raise FileExistsError(f"{at} is a file, not a folder: {verb} writes a folder there and never replaces a file; "
+                              "give another path")
     if not any(real.iterdir()) or read_marker(real).get('verb') == verb: return p
     other = read_marker(real).get('verb')
     why = f"it holds {other}'s output" if other else f"no {MARKER} of {verb} in it"
-    raise FileExistsError(f"{at} holds files that {verb} did not write ({why}); it is never replaced: give a new or empty "
+    raise FileExistsError(f"{at} holds files that {verb} did not write ({why}); it is never replaced: "
+                          "give a new or empty "
                           "folder (an output of an older eagle3nb: remove it yourself)")
 
 # %% ../nbs/00_recipe.ipynb #7b28ad6a
@@ -374,7 +380,8 @@ def remove_stale(folder,        # where to look
                  name:str=None, # only those of the output of this name; default any
                 )->list:        # the folders removed
     "Remove the temp folders in `folder` that `verb` made in a process of this host that is gone (a killed run's)"
-    pattern = re.compile(rf'\.{re.escape(name) if name else ".+"}\.tmp-[a-z0-9_]{{8}}')  # mkdtemp's names: never a user's
+    # mkdtemp's names: never a user's
+    pattern = re.compile(rf'\.{re.escape(name) if name else ".+"}\.tmp-[a-z0-9_]{{8}}')
     gone = []
     for t in sorted(Path(folder).iterdir()) if Path(folder).is_dir() else []:
         if pattern.fullmatch(t.name) and t.is_dir() and not t.is_symlink() and _stale(t, verb):
@@ -405,7 +412,8 @@ def publish_output(tmp,      # the finished temp folder (`output_temp`)
         os.rename(tmp, real)
         return Path(dst)
     old = Path(tempfile.mkdtemp(prefix=f'.{real.name}.old-', dir=real.parent))
-    os.rename(real, old)  # onto the empty folder just made; the previous output stays whole until the new one is in place
+    # onto the empty folder just made; the previous output stays whole until the new one is in place
+    os.rename(real, old)
     try: os.rename(tmp, real)
     except OSError:
         os.rename(old, real)
@@ -417,7 +425,8 @@ def publish_output(tmp,      # the finished temp folder (`output_temp`)
 def publishing(dst,      # the output folder (absent, empty or `verb`'s own; a link: at its target)
                verb:str, # the verb writing it
               ):
-    "A fresh temp folder to write `verb`'s output in, published at `dst` when the block ends without error, else removed"
+    ("A fresh temp folder to write `verb`'s output in, published at `dst` when the block ends without error, "
+     "else removed")
     tmp = output_temp(dst, verb)
     try:
         yield tmp
@@ -433,5 +442,6 @@ def model_dir(path,                  # a model folder in the Hugging Face layout
     if not p.is_dir(): raise FileNotFoundError(f"{what}: {p} is no model folder (none is there; give a Hugging Face layout folder with config.json)")
     if not (p/'config.json').exists(): raise FileNotFoundError(f"{what}: {p} has no config.json; is it the model folder?")
     for f in ('config.json', 'tokenizer_config.json'):
-        if (p/f).is_file(): read_json(p/f, f"{what} names a model folder whose {f} is damaged: restore it from the model's source")
+        if (p/f).is_file():
+            read_json(p/f, f"{what} names a model folder whose {f} is damaged: restore it from the model's source")
     return p

@@ -587,7 +587,8 @@ def render_conversations(convs:list, tok, # canonical conversations; the target'
 def _render_conversations(convs, tok, thinking, merge):
     fam, sha = template_family(tok.chat_template), template_sha256(tok)
     why = _blocker(tok, fam)
-    plans = [dict(fallback='') if conversation_problem(c, tok) else _plan(c, tok, fam, thinking, why) for c in convs]  # rejects: the per-event path says why
+    plans = [dict(fallback='') if conversation_problem(c, tok) else _plan(c, tok, fam, thinking, why)
+             for c in convs]  # rejects: the per-event path says why
     tokenize_groups(tok, [g for p in plans if 'groups' in p for g in p['groups']], fam)
     out = {k: r for k, (c, p) in enumerate(zip(convs, plans)) if 'groups' in p and (r := _plan_rows(c, p, sha, merge)) is not None}
     slow = [k for k in range(len(convs)) if k not in out]
@@ -629,8 +630,10 @@ def chat_tokenizer(target_dir, # the target model directory
     "`load_tokenizer(target_dir)`, or `ValueError` naming the target when its tokenizer has no chat template"
     tok = load_tokenizer(target_dir, trust_remote_code)
     if not tok.chat_template:
-        raise ValueError(f"{target_dir}: the target has no chat template (no chat_template.jinja, and none in tokenizer_config.json), "
-                         "so no conversation can be rendered; give the target's own tokenizer files with their chat template")
+        raise ValueError(f"{target_dir}: the target has no chat template "
+                         "(no chat_template.jinja, and none in tokenizer_config.json), "
+                         "so no conversation can be rendered; "
+                         "give the target's own tokenizer files with their chat template")
     return tok
 
 # %% ../nbs/20_render.ipynb #a50509cc
@@ -727,18 +730,21 @@ def render_dataset(prepared_dir, # a prepared dataset directory (`eagle3nb.prepa
                    trust_remote_code:bool=False)->dict: # the manifest
     "Render a prepared dataset into `out_dir`: Arrow samples (`save_to_disk`), rejects.jsonl, render.json"
     from eagle3nb.prepare import load_prepared
-    params, out = _render_params(prepared_dir, target_dir, thinking, merge, trust_remote_code), claim_output(out_dir, 'render')
+    params, out = (_render_params(prepared_dir, target_dir, thinking, merge, trust_remote_code),
+                   claim_output(out_dir, 'render'))
     if not force and (m := read_render_manifest(out)) and m.get('params') == params: return m
     t0, ds = time.time(), load_prepared(prepared_dir)
     with publishing(out, 'render') as tmp:
         work = tmp/'.work'  # the map's Arrow files: inside our temp folder, so a killed run's go with it
         work.mkdir()
         try:
-            kw = dict(target_dir=str(Path(target_dir).absolute()), thinking=thinking, merge=merge, trust_remote_code=trust_remote_code)
+            kw = dict(target_dir=str(Path(target_dir).absolute()), thinking=thinking, merge=merge,
+                      trust_remote_code=trust_remote_code)
             rows = _map_rows(ds, kw, num_proc, batch_size, work)
             stats = render_stats(rows.select_columns(list(STAT_COLUMNS)).data.table, merge)
             _save_rows(rows, tmp, work)
-            m = dict(name=out.name, prepared=str(prepared_dir), target=str(target_dir), params=params, conversations=len(ds),
+            m = dict(name=out.name, prepared=str(prepared_dir), target=str(target_dir), params=params,
+                     conversations=len(ds),
                      **stats, template_render=template_render(load_tokenizer(target_dir, trust_remote_code)),
                      seconds=round(time.time() - t0, 3))
             (tmp/'render.json').write_text(json.dumps(m, indent=1))
@@ -769,7 +775,8 @@ def render_jsonl(target_dir, # the target model directory
     keys = ('sample_id', 'input_ids', 'loss_mask', 'spans')
     with publishing(out, 'render') as tmp:
         _write_jsonl(tmp/'samples.jsonl', ({k: r[k] for k in keys} for r in rows if 'reject' not in r))
-        _write_jsonl(tmp/'rejects.jsonl', (dict(sample_id=r['sample_id'], reason=r['reject']) for r in rows if 'reject' in r))
+        _write_jsonl(tmp/'rejects.jsonl',
+                     (dict(sample_id=r['sample_id'], reason=r['reject']) for r in rows if 'reject' in r))
     return dict(out=str(out), template_sha256=template_sha256(tok), **render_stats(_stat_table(rows), merge), template_render=template_render(tok),
                 seconds=round(time.time() - t0, 3))
 

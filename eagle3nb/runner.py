@@ -17,7 +17,8 @@ from tqdm.auto import tqdm
 import nbformat
 from nbformat.v4 import new_notebook, new_code_cell, new_markdown_cell
 import eagle3nb
-from .recipe import Recipe, RecipeError, load_recipe, save_recipe, recipe_dict, fingerprint, one_name, model_dir, check_aux_layers, aux_rule
+from .recipe import (Recipe, RecipeError, load_recipe, save_recipe, recipe_dict, fingerprint, one_name, model_dir,
+                             check_aux_layers, aux_rule)
 from .server import hold_lock, owned_by, reap_leftovers
 from .target import target_session
 
@@ -56,15 +57,19 @@ def select_phases(available:dict, # stem -> notebook path, from `phase_notebooks
 # %% ../nbs/98_runner.ipynb #47079a8e
 _KINDS = dict(int=('an int', lambda v: isinstance(v, int) and not isinstance(v, bool)),
               float=('a float', lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
-              bool=('a bool (true or false)', lambda v: isinstance(v, bool)), str=('a str', lambda v: isinstance(v, str)),
-              list=('a list', lambda v: isinstance(v, list)), dict=('a dict (a mapping)', lambda v: isinstance(v, dict)))
+              bool=('a bool (true or false)', lambda v: isinstance(v, bool)),
+              str=('a str', lambda v: isinstance(v, str)),
+              list=('a list', lambda v: isinstance(v, list)),
+              dict=('a dict (a mapping)', lambda v: isinstance(v, dict)))
 
 def _split_union(t:str)->list:
     "`'list[int]|None'` -> `['list[int]', 'None']`, splitting on `|` outside brackets"
     parts, depth, cur = [], 0, ''
     for ch in t:
         depth += (ch == '[') - (ch == ']')
-        if ch == '|' and depth == 0: parts.append(cur); cur = ''
+        if ch == '|' and depth == 0:
+            parts.append(cur)
+            cur = ''
         else: cur += ch
     return parts + [cur]
 
@@ -76,7 +81,9 @@ def _declared(type_name:str)->tuple|None: # (kinds, element kind of a list or No
     for p in _split_union(t):
         base, _, inner = p.partition('[')
         base = base.lower()
-        if base in ('none', 'nonetype'): none = True; continue
+        if base in ('none', 'nonetype'):
+            none = True
+            continue
         if base not in _KINDS: return None  # no annotation (papermill says 'None'), Any, Path, ...: not ours to judge
         kinds.append(base)
         if base == 'list' and inner.rstrip(']').lower() in _KINDS: elem = inner.rstrip(']').lower()
@@ -89,8 +96,10 @@ def param_problem(value,       # the recipe's value
     d = _declared(decl.get('inferred_type_name'))
     if d is None: return None
     kinds, elem, none = d
-    if value is None: return None if none or str(decl.get('default')).strip() == 'None' else f"null is not {_KINDS[kinds[0]][0]}"
-    if not any(_KINDS[k][1](value) for k in kinds): return f"{value!r} is not {' or '.join(_KINDS[k][0] for k in kinds)}"
+    if value is None:
+        return None if none or str(decl.get('default')).strip() == 'None' else f"null is not {_KINDS[kinds[0]][0]}"
+    if not any(_KINDS[k][1](value) for k in kinds):
+        return f"{value!r} is not {' or '.join(_KINDS[k][0] for k in kinds)}"
     if elem and isinstance(value, list) and (bad := [x for x in value if not _KINDS[elem][1](x)]):
         return f"{bad[0]!r} in {value!r} is not {_KINDS[elem][0]}"
     return None
@@ -99,7 +108,9 @@ def _number_hint(value, decl)->str:
     "How to write a number YAML read as text"
     try: float(value)
     except (TypeError, ValueError): return ''
-    if 'e' in value.lower() and '.' not in value: return f"; YAML reads {value} as text: write it with a dot, e.g. {value.lower().replace('e', '.0e', 1)}"
+    if 'e' in value.lower() and '.' not in value:
+        return (f"; YAML reads {value} as text: write it with a dot, "
+                f"e.g. {value.lower().replace('e', '.0e', 1)}")
     return '; write the number without quotes'
 
 
@@ -109,7 +120,8 @@ RESERVED = ('recipe', 'run_dir')  # set by the runner, never by the recipe
 def check_phase_params(nb:Path, # phase notebook
                        params:dict, # the recipe's `phases.<name>` dict
                       ):
-    "Raise `RecipeError` naming each recipe key that is not a parameter of `nb`, or whose value is not of its declared type"
+    ("Raise `RecipeError` naming each recipe key that is not a parameter of `nb`, "
+     "or whose value is not of its declared type")
     known = pm.inspect_notebook(str(nb))
     key = phase_key(nb.stem)
     bad = []
@@ -138,18 +150,24 @@ def _data_root_problem(d:Path)->str|None:
     if not a.is_dir() or not os.access(a, os.W_OK): return f"data_root: {d} cannot be made: {a} is {'a file' if not a.is_dir() else 'not writable'}"
 
 def _catalog_problem(p:Path)->str|None:
-    if p.exists(): return f"catalog: {p} is a folder; give the path of a DuckDB file (it is made if missing)" if p.is_dir() else None
+    if p.exists():
+        return (f"catalog: {p} is a folder; give the path of a DuckDB file (it is made if missing)" if p.is_dir()
+                else None)
     a = next(q for q in p.parents if q.exists())
     if not a.is_dir(): return f"catalog: {p} cannot be made: {a} is a file, not a folder; give a path in a folder"
-    if not os.access(a, os.W_OK): return f"catalog: {p} cannot be made: {a} is not writable; give a path in a folder you can write"
+    if not os.access(a, os.W_OK):
+        return f"catalog: {p} cannot be made: {a} is not writable; give a path in a folder you can write"
 
 def _aux_problem(r:Recipe, local:bool)->str|None:
     "`target.aux_layers` against `check_aux_layers`, and against the target's depth when its config.json is here"
     if r.target.aux_layers is None: return None
     cf, n = Path(r.target.model or '')/'config.json', None
     if local and r.target.model and cf.is_file():
-        try: c = json.loads(cf.read_text()); n = int(c.get('text_config', c)['num_hidden_layers'])
-        except (OSError, ValueError, KeyError, TypeError): n = None  # a config we cannot read: the target check says why
+        try:
+            c = json.loads(cf.read_text())
+            n = int(c.get('text_config', c)['num_hidden_layers'])
+        except (OSError, ValueError, KeyError, TypeError):  # a config we cannot read: the target check says why
+            n = None
     try: check_aux_layers(r.target.aux_layers, n, 'target.aux_layers')
     except RecipeError as e: return str(e)
 
@@ -218,15 +236,20 @@ def execute_phase(nb:Path,       # phase notebook
         pm.execute_notebook(str(nb), str(record), parameters=params, cwd=str(nb.parent), kernel_name='python3',
                             progress_bar=False, request_save_on_cell_execute=True,
                             stdout_file=sys.stdout if stream else None, stderr_file=sys.stderr if stream else None)
-    except KeyboardInterrupt: _quiet_asyncio(); raise
+    except KeyboardInterrupt:
+        _quiet_asyncio()
+        raise
     except Exception as e:
         # our Ctrl-C: papermill passes it on to the kernel and raises the cell's KeyboardInterrupt instead
         if getattr(e, 'ename', None) == 'KeyboardInterrupt' or isinstance(e.__context__, KeyboardInterrupt):
-            _quiet_asyncio(); raise KeyboardInterrupt() from None
+            _quiet_asyncio()
+            raise KeyboardInterrupt() from None
         from nbclient.exceptions import DeadKernelError
         if isinstance(e, DeadKernelError):  # killed under us: the OOM killer, a scheduler, kill -9
-            raise PhaseFailed(f"phase {nb.stem}: its kernel died ({str(e).strip() or 'Kernel died'}: out of memory, or killed?); "
-                              f"record so far: {record}; free memory (or lower the phase's batch sizes), then rerun") from None
+            raise PhaseFailed(f"phase {nb.stem}: its kernel died ({str(e).strip() or 'Kernel died'}: "
+                              "out of memory, or killed?); "
+                              f"record so far: {record}; free memory (or lower the phase's batch sizes), "
+                              "then rerun") from None
         if not isinstance(e, PapermillExecutionError): raise
         raise PhaseFailed(f"phase {nb.stem} failed in cell {e.cell_index} (execution count {e.exec_count}): "
                           f"{e.ename}: {e.evalue}\n  record: {record}") from None
@@ -324,7 +347,9 @@ def run(recipe,            # recipe YAML path
     if ps := check_recipe(r, root, datasets=any(phase_key(s) == 'prepare' for s in sel), local=any(phase_key(s) != 'plan' for s in sel)): raise RecipeError(f"{recipe}: " + '; '.join(ps))
     run_id = run_id or f"{r.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     run_dir = root/'papermill_runs'/run_id; run_dir.mkdir(parents=True, exist_ok=True)
-    with hold_lock(run_dir/'.lock', f'run {run_id}'), owned_by(f'run:{run_dir.resolve()}') as tag, _sigterm_interrupts():
+    with (hold_lock(run_dir/'.lock', f'run {run_id}'),
+          owned_by(f'run:{run_dir.resolve()}') as tag,
+          _sigterm_interrupts()):
         _reap(tag, 'an earlier, killed run of it')
         try: return _run_held(recipe, r, run_id, run_dir, nbs, sel, serve, stream)
         finally: _reap(tag, 'this run')
@@ -360,7 +385,8 @@ class RunInterrupted(KeyboardInterrupt):
 
 def _reap(tag:str, whose:str):
     "Stop the live processes carrying `tag`, saying so"
-    if pids := reap_leftovers(tag): _tell(f"stopped {len(pids)} process(es) left by {whose}: pids {', '.join(map(str, pids))}")
+    if pids := reap_leftovers(tag):
+        _tell(f"stopped {len(pids)} process(es) left by {whose}: pids {', '.join(map(str, pids))}")
 
 def _mark_dead(state:dict, run_dir:Path):
     "Phases recorded `running` by a process that is gone become `interrupted` (we hold the lock: nobody runs them)"
@@ -374,7 +400,9 @@ def _mark_dead(state:dict, run_dir:Path):
 @contextmanager
 def _sigterm_interrupts():
     "Inside the block a SIGTERM raises `KeyboardInterrupt` (main thread only), so a scheduler's stop is recorded"
-    if threading.current_thread() is not threading.main_thread(): yield; return
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     def _raise(signum, frame): raise KeyboardInterrupt('SIGTERM')
     old = signal.signal(signal.SIGTERM, _raise)
     try: yield
@@ -383,14 +411,16 @@ def _sigterm_interrupts():
 # %% ../nbs/98_runner.ipynb #cc77514d
 _ASIDE = {'completed': 'previous', 'interrupted': 'interrupted'}  # an old record's status -> its set-aside name
 
-def _resume(state)->str: return f"eagle3nb run {shlex.quote(state['recipe_source'])} --run-id {shlex.quote(state['run_id'])}"
+def _resume(state)->str:
+    return f"eagle3nb run {shlex.quote(state['recipe_source'])} --run-id {shlex.quote(state['run_id'])}"
 
 def _run_one(stem, nb, run_dir, frozen, params, fp, state, stream):
     "Execute one phase and record its outcome in `state`"
     record = run_dir/f'{stem}.ipynb'
     old = state['phases'].get(stem, {}).get('status')
     set_aside(record, _ASIDE.get(old, 'failed'))
-    st = state['phases'][stem] = dict(status='running', fingerprint=fp, record=record.name, started=time.time(), pid=os.getpid())
+    st = state['phases'][stem] = dict(status='running', fingerprint=fp, record=record.name, started=time.time(),
+                                      pid=os.getpid())
     save_state(run_dir, state); _tell(f'run {stem} -> {record}'); _log_run(state, stem, 'running', params)
     try: execute_phase(nb, record, dict(recipe=str(frozen), run_dir=str(run_dir), **params), stream)
     except PhaseFailed as e:
@@ -400,7 +430,8 @@ def _run_one(stem, nb, run_dir, frozen, params, fp, state, stream):
     except KeyboardInterrupt as e:
         why = 'SIGTERM' if str(e) == 'SIGTERM' else 'Ctrl-C'
         st.update(status='interrupted', error=f'interrupted ({why})', seconds=round(time.time()-st['started'], 2))
-        save_state(run_dir, state); _log_run(state, stem, 'interrupted')
+        save_state(run_dir, state)
+        _log_run(state, stem, 'interrupted')
         stop = RunInterrupted(f"run {state['run_id']} interrupted ({why}) in phase {stem}: recorded as interrupted in "
                               f"{run_dir/'run.json'}, its record kept; `{_resume(state)}` resumes it "
                               "(completed phases are skipped)")

@@ -184,7 +184,9 @@ def _strings(v):
     "Every string inside JSON value `v`: itself, or the keys and values of its objects and lists"
     if isinstance(v, str): yield v
     elif isinstance(v, dict):
-        for k, x in v.items(): yield from _strings(k); yield from _strings(x)
+        for k, x in v.items():
+            yield from _strings(k)
+            yield from _strings(x)
     elif isinstance(v, (list, tuple)):
         for x in v: yield from _strings(x)
 
@@ -197,7 +199,8 @@ _MSG_TEXTS = (('content', 'content'), ('reasoning_content', 'reasoning'), ('name
               ('tool_call_id', 'tool_call_id'))
 
 def _args_found(rx, a)->str|None:
-    "The first of the regex's strings in tool-call arguments `a`: an object, or JSON text (searched as sent and as parsed)"
+    ("The first of the regex's strings in tool-call arguments `a`: an object, or JSON text "
+     "(searched as sent and as parsed)")
     if (t := _found(rx, a)) or not isinstance(a, str): return t
     try: return _found(rx, json.loads(a))
     except (ValueError, RecursionError): return None

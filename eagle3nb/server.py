@@ -112,7 +112,8 @@ def server_env(env:dict=None)->dict:
 
 # %% ../nbs/03_server.ipynb #aac54a02
 def _terminate(proc:subprocess.Popen, grace:float=10,
-               _sigs=(signal.SIGTERM, signal.SIGKILL), _killpg=os.killpg,  # bound now: may run at exit, after globals are gone
+               # bound now: may run at exit, after globals are gone
+               _sigs=(signal.SIGTERM, signal.SIGKILL), _killpg=os.killpg,
                guard:subprocess.Popen=None):  # the group's `guard_group` watchdog, stopped once the group is
     "SIGTERM `proc`'s process group, SIGKILL it after `grace` s; returns the exit code"
     for sig in _sigs:
@@ -201,16 +202,20 @@ def hold_lock(path,     # the lock file (made if missing), e.g. papermill_runs/<
              ):
     "Hold an exclusive lock on `path` for the block; `InUse` naming the holder when another process has it"
     import fcntl, getpass
-    p = Path(path); p.parent.mkdir(parents=True, exist_ok=True)
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
     f = open(p, 'a+')
     try: fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        f.seek(0); h = f.read().strip(); f.close()
+        f.seek(0)
+        h = f.read().strip()
+        f.close()
         h = json.loads(h) if h.startswith('{') else {}
         who = f"pid {h.get('pid', '?')} on {h.get('host', '?')}, since {h.get('since', '?')}: {h.get('cmd', '?')}"
         raise InUse(f"{what} is in use by another live process ({who}); wait for it to end or stop it "
                     f"(kill {h.get('pid', 'PID')}), then rerun") from None
-    f.seek(0); f.truncate()
+    f.seek(0)
+    f.truncate()
     f.write(json.dumps(dict(pid=os.getpid(), host=socket.gethostname(), since=time.strftime('%Y-%m-%d %H:%M:%S'),
                             cmd=' '.join(sys.argv)[:300])) + '\n')
     f.flush()

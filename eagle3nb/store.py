@@ -149,7 +149,8 @@ def open_shard(path):
     from eagle3nb.recipe import bad_file
     try: return safe_open(str(path), framework='pt')
     except SafetensorError as e:
-        hint = (f"the shard is truncated or damaged (a copy cut short?): copy it again, or move it out of {Path(path).parent} "
+        hint = ("the shard is truncated or damaged (a copy cut short?): copy it again, "
+                f"or move it out of {Path(path).parent} "
                 "and rerun `eagle3nb extract` to write its samples again")
         raise bad_file(path, e, hint, 'safetensors') from None
 
@@ -304,7 +305,9 @@ def validate(d,                  # store folder
     if not files: p.append(f"{d}: no shards")
     for path in files:
         try: sf = open_shard(path)
-        except ValueError as e: p.append(str(e)); continue
+        except ValueError as e:
+            p.append(str(e))
+            continue
         with sf as f:
             meta = _decode(f.metadata())
             mp = _check_meta(path.name, meta, expect); p += mp

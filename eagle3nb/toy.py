@@ -235,7 +235,8 @@ def _check_replaceable(out:Path, spec:ToySpec, force:bool):
     if not out.exists() or (out.is_dir() and not any(out.iterdir())): return
     if not out.is_dir(): raise FileExistsError(f"{out} is a file, not a toy model directory; remove it or choose another --out")
     m = _marker(out)
-    if m.get('builder') == 'eagle3nb.toy' and not read_marker(out): mark_output(out, 'toy')  # a toy built before the output marker
+    if m.get('builder') == 'eagle3nb.toy' and not read_marker(out):
+        mark_output(out, 'toy')  # a toy built before the output marker
     if read_marker(out).get('verb') != 'toy':
         raise FileExistsError(f"{out} exists and is not an eagle3nb toy build (no {OUTPUT_MARKER} of toy); it is never "
                               "overwritten: remove it yourself or choose another --out")
@@ -244,7 +245,8 @@ def _check_replaceable(out:Path, spec:ToySpec, force:bool):
 
 # %% ../nbs/02_toy.ipynb #f1d6b808
 def _install(tmp:Path, out:Path):
-    "Rename the finished build `tmp` to `out` (a link: at its target), replacing the toy build `_check_replaceable` allowed there"
+    ("Rename the finished build `tmp` to `out` (a link: at its target), "
+     "replacing the toy build `_check_replaceable` allowed there")
     publish_output(tmp, out, 'toy')
 
 # %% ../nbs/02_toy.ipynb #5f27de38

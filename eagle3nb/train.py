@@ -221,9 +221,10 @@ def save_checkpoint(run_dir, step:int, draft:Eagle3Draft, opt, sched, cfg:TrainC
     sd = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
     with publishing(d, 'train') as tmp:  # a fresh temp name; only train's own `step_N` is ever replaced
         save_file(sd, str(tmp/'model.safetensors'), metadata={'draft_config': json.dumps(asdict(draft.config))})
-        torch.save(dict(optimizer=opt.state_dict(), scheduler=sched.state_dict(), step=step, epoch=epoch, config=asdict(cfg),
-                        rng=torch.get_rng_state(), py_rng=random.getstate(),
-                        cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None), tmp/'train_state.pt')
+        torch.save(dict(optimizer=opt.state_dict(), scheduler=sched.state_dict(), step=step, epoch=epoch,
+                        config=asdict(cfg), rng=torch.get_rng_state(), py_rng=random.getstate(),
+                        cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None),
+                   tmp/'train_state.pt')
     return d
 
 def latest_checkpoint(run_dir)->Path|None:
@@ -424,7 +425,8 @@ def target_tensors(model_dir)->dict: # embed (V, H), lm_head (V, H)
     st = lambda f: open_safetensors(f, WEIGHTS_HINT)
     d = Path(model_dir)
     idx = d/'model.safetensors.index.json'
-    wm = json.loads(idx.read_text())['weight_map'] if idx.exists() else {k: 'model.safetensors' for k in st(d/'model.safetensors').keys()}
+    wm = (json.loads(idx.read_text())['weight_map'] if idx.exists()
+          else {k: 'model.safetensors' for k in st(d/'model.safetensors').keys()})
     out = {}
     for want, suffix in (('embed', 'embed_tokens.weight'), ('lm_head', 'lm_head.weight')):
         names = sorted((k for k in wm if k.endswith(suffix) and 'mtp' not in k), key=len)  # shortest: the text model's

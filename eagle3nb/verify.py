@@ -71,7 +71,8 @@ def load_draft(draft_dir, target_dir, checkpoint:bool=True)->tuple: # Eagle3Draf
     "The draft of an export folder as our torch module: its training checkpoint when recorded and present, else the export"
     d = Path(draft_dir)
     from eagle3nb.recipe import read_json
-    again = f"the draft's training record is damaged: export it again (eagle3nb export CHECKPOINT --out {d} --data DATA_ROOT)"
+    again = ("the draft's training record is damaged: export it again "
+             f"(eagle3nb export CHECKPOINT --out {d} --data DATA_ROOT)")
     rec = read_json(d/'eagle3nb.json', again) if (d/'eagle3nb.json').exists() else {}
     ck = rec.get('checkpoint')
     if checkpoint and ck and (Path(ck)/'model.safetensors').exists():

@@ -197,10 +197,12 @@ def vocab_recipe(r,                  # resolved recipe (see `recipe.load_recipe`
     k = int(draft_vocab or vocab_params(r)['draft_vocab'])
     model = _target_dir(r)
     from eagle3nb.recipe import read_json
-    cm = read_json(corpus/'corpus.json', 'the corpus manifest is damaged: run `eagle3nb merge RECIPE --force` to write the corpus again')
+    cm = read_json(corpus/'corpus.json',
+                   'the corpus manifest is damaged: run `eagle3nb merge RECIPE --force` to write the corpus again')
     params = dict(draft_vocab=k, corpus=cm.get('fingerprint'), target=str(model))
     again = 'the vocab summary is damaged: run `eagle3nb vocab RECIPE --force` to count again'
-    if not force and (out/'vocab.json').exists() and (s := read_json(out/'vocab.json', again)).get('params') == params: return s
+    if not force and (out/'vocab.json').exists() and (s := read_json(out/'vocab.json', again)).get('params') == params:
+        return s
     from .render import load_tokenizer
     t0, n_target = time.time(), target_vocab_size(model)
     counts = count_tokens(load_from_disk(str(corpus/'train')), n_target)

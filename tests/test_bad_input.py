@@ -693,34 +693,38 @@ def gone(pid:int)->bool:
     try: return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess: return True
 
-def test_ctrl_c_records_interrupted_reaps_children_and_the_lock_refuses_a_second_run(tmp_path):
-    "Ctrl-C: exit 130, one line, the phase `interrupted` in run.json, its child gone; meanwhile a second run is refused"
-    import signal, subprocess
-    from eagle3nb.server import leftovers
-    hold_repo(tmp_path); rd = tmp_path/'papermill_runs'/'x'
-    p = start_run(tmp_path, 'x')
+def held_run(d:Path, rid:str):
+    "`eagle3nb run` of the hold repository, once its phase's worker runs: (process, run folder, worker pid)"
+    hold_repo(d); rd = d/'papermill_runs'/rid
+    p = start_run(d, rid)
     wait_for(lambda: (rd/'kid.pid').exists(), p)
-    kid = int((rd/'kid.pid').read_text())
+    return p, rd, int((rd/'kid.pid').read_text())
+
+@pytest.mark.parametrize('sig,code,why', [('SIGINT', 130, 'Ctrl-C'), ('SIGTERM', 143, 'SIGTERM')])
+def test_an_interrupted_run_is_recorded_its_children_reaped_and_the_lock_refuses_a_second_run(tmp_path, sig, code, why):
+    """Ctrl-C, or a scheduler's stop (SIGTERM): exit 130 / 143, one line, the phase `interrupted` in run.json, its child
+    gone; meanwhile a second run of the same id is refused"""
+    import signal
+    from eagle3nb.server import leftovers
+    p, rd, kid = held_run(tmp_path, 'x')
     res = call(['run', tmp_path/'r.yaml', '--run-id', 'x'], tmp_path)  # the same run id while the first holds it
     assert res['code'] == 1 and res['tb'] is None, res
     assert len(error_lines(res)) == 1 and f'in use by another live process (pid {p.pid}' in error_lines(res)[0], res['err']
     assert json.loads((rd/'run.json').read_text())['phases']['00_hold']['status'] == 'running'  # untouched by the refusal
-    p.send_signal(signal.SIGINT); out, err = p.communicate(timeout=300)
-    assert p.returncode == 130 and 'Traceback' not in err, err[-3000:]
+    p.send_signal(getattr(signal, sig)); out, err = p.communicate(timeout=300)
+    assert p.returncode == code and 'Traceback' not in err, err[-3000:]
     lines = [l for l in err.splitlines() if l.startswith('eagle3nb run:')]
-    assert len(lines) == 1 and 'interrupted (Ctrl-C) in phase 00_hold' in lines[0] and '--run-id x' in lines[0], err[-2000:]
+    assert len(lines) == 1 and f'interrupted ({why}) in phase 00_hold' in lines[0] and '--run-id x' in lines[0], err[-2000:]
     st = json.loads((rd/'run.json').read_text())['phases']['00_hold']
-    assert st['status'] == 'interrupted' and 'Ctrl-C' in st['error'], st
+    assert st['status'] == 'interrupted' and why in st['error'], st
     assert gone(kid) and leftovers(f'run:{rd.resolve()}') == []
 
 def test_kill9_run_is_recorded_interrupted_and_its_leftovers_reaped_by_the_rerun(tmp_path):
     "kill -9 of the runner mid-phase: the rerun takes the lock, records the phase interrupted, stops the orphan, reruns"
     import signal
     from eagle3nb.server import leftovers
-    hold_repo(tmp_path); rd = tmp_path/'papermill_runs'/'k'
-    p = start_run(tmp_path, 'k')
-    wait_for(lambda: (rd/'kid.pid').exists(), p)
-    kid = int((rd/'kid.pid').read_text()); (rd/'kid.pid').unlink()
+    p, rd, kid = held_run(tmp_path, 'k')
+    (rd/'kid.pid').unlink()
     p.send_signal(signal.SIGKILL); p.wait()
     assert json.loads((rd/'run.json').read_text())['phases']['00_hold']['status'] == 'running'  # what the dead run left
     assert not gone(kid)  # its worker outlived it
@@ -751,18 +755,3 @@ def test_a_kernel_killed_under_its_phase_is_recorded_failed_and_its_children_rea
     st = json.loads((rd/'run.json').read_text())['phases']['00_hold']
     assert st['status'] == 'failed' and 'kernel died' in st['error'], st
     assert gone(int((rd/'kid.pid').read_text())) and leftovers(f'run:{rd.resolve()}') == []
-
-def test_sigterm_of_a_run_is_recorded_interrupted_with_exit_143(tmp_path):
-    "A scheduler's stop (SIGTERM) is handled as a Ctrl-C: exit 143, one line, the phase `interrupted (SIGTERM)`, no orphan"
-    import signal
-    from eagle3nb.server import leftovers
-    hold_repo(tmp_path); rd = tmp_path/'papermill_runs'/'t'
-    p = start_run(tmp_path, 't')
-    wait_for(lambda: (rd/'kid.pid').exists(), p)
-    kid = int((rd/'kid.pid').read_text())
-    p.send_signal(signal.SIGTERM); out, err = p.communicate(timeout=300)
-    assert p.returncode == 143 and 'Traceback' not in err, err[-3000:]
-    assert [l for l in err.splitlines() if l.startswith('eagle3nb run:')] == [l for l in err.splitlines() if 'resumes it' in l], err[-2000:]
-    st = json.loads((rd/'run.json').read_text())['phases']['00_hold']
-    assert st['status'] == 'interrupted' and 'SIGTERM' in st['error'], st
-    assert gone(kid) and leftovers(f'run:{rd.resolve()}') == []
