@@ -10,7 +10,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test venv engine export check-export nbtest pytest docs clean-docs clean
+.PHONY: demo test venv engine export check-export format check-format nbtest pytest docs clean-docs clean
 
 venv: $(STAMP)
 
@@ -52,6 +52,14 @@ check-export: export
 	  echo "nbdev_export changed eagle3nb/ (edit nbs/, run nbdev_export, commit both):"; \
 	  git status --porcelain eagle3nb/; exit 1; fi
 
+# One formatter for the notebooks, the tests and the benchmarks (ruff.toml: 120 columns); `make format` applies it.
+format: venv
+	$(BIN)/ruff format nbs tests bench
+
+check-format: venv
+	@$(BIN)/ruff format --check nbs tests bench >/dev/null || { $(BIN)/ruff format --check nbs tests bench; \
+	  echo "run make format (ruff format), then nbdev_export"; exit 1; }
+
 nbtest: venv
 	$(BIN)/nbdev_test --n_workers 2 --timing
 
@@ -64,7 +72,7 @@ docs: venv
 	@echo "docs: $$(find _proc/_site -name "*.html" | wc -l) pages in _proc/_site/"
 
 # pytest comes last so that its closing line is the last summary CI sees.
-test: venv engine check-export nbtest docs
+test: venv engine check-format check-export nbtest docs
 	EAGLE3NB_REQUIRE_ENGINE=1 $(BIN)/pytest tests/
 
 clean:

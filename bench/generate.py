@@ -12,6 +12,7 @@ process's CPU time (user + system) / requests, the server being other processes.
 Without --engine: `eagle3nb.generate.FakeTarget` in a forked process, throughput against a zero-latency server, CPU at
 200 req/s, and the makespan of a mix whose latency is proportional to tokens.
 """
+
 import argparse, asyncio, json, os, random, sys, tempfile, time
 from pathlib import Path
 from eagle3nb.generate import FakeTarget, Job, ShardWriter, gen_params, run_jobs
@@ -27,7 +28,9 @@ def run(js, ft, conc):
     d = tempfile.mkdtemp(prefix='e3nb-bench-gen-')
     w = ShardWriter(d)
     c0, t0 = os.times(), time.perf_counter()
-    r = asyncio.run(run_jobs(js, [ft.base_url], ft.model, gen_params(timeout=120, max_retries=2), w, conc, progress=False))
+    r = asyncio.run(
+        run_jobs(js, [ft.base_url], ft.model, gen_params(timeout=120, max_retries=2), w, conc, progress=False)
+    )
     t1, c1 = time.perf_counter(), os.times()
     w.close()
     assert r.stats['ok'] == len(js), f"only {r.stats['ok']} of {len(js)} requests succeeded: {dict(r.stats)}"
@@ -38,8 +41,15 @@ def throughput(n, c, http='httpx'):
     "Requests/s against a zero-latency server"
     with FakeTarget(length=lambda k: 16).start(process=True) as ft:
         wall, cpu = run(jobs([16] * n), ft, dict(main=c))
-    return dict(http=http, requests=n, concurrency=c, wall_s=round(wall, 2), req_per_s=round(n / wall), client_cpu_s=round(cpu, 2),
-                client_cpu_per_req_us=round(cpu / n * 1e6))
+    return dict(
+        http=http,
+        requests=n,
+        concurrency=c,
+        wall_s=round(wall, 2),
+        req_per_s=round(n / wall),
+        client_cpu_s=round(cpu, 2),
+        client_cpu_per_req_us=round(cpu / n * 1e6),
+    )
 
 
 def cpu_at(rate, seconds, http='httpx'):
@@ -48,63 +58,115 @@ def cpu_at(rate, seconds, http='httpx'):
     n = int(rate * seconds)
     with FakeTarget(length=lambda k: 16, latency=lat).start(process=True) as ft:
         wall, cpu = run(jobs([16] * n), ft, dict(main=c))
-    return dict(http=http, target_req_per_s=rate, achieved_req_per_s=round(n / wall, 1), wall_s=round(wall, 2), client_core_share=f'{cpu / wall:.1%}')
+    return dict(
+        http=http,
+        target_req_per_s=rate,
+        achieved_req_per_s=round(n / wall, 1),
+        wall_s=round(wall, 2),
+        client_core_share=f'{cpu / wall:.1%}',
+    )
 
 
 def makespan(n, c, per_token, seed=0):
     "Makespan / ideal (total work / C) of a long-tailed mix, one queue vs main + long partitions"
     rng = random.Random(seed)
     lengths = [rng.randint(4000, 8000) if rng.random() < 0.02 else rng.randint(50, 500) for _ in range(n)]
-    work = sum(lengths) * per_token; ideal = work / c
+    work = sum(lengths) * per_token
+    ideal = work / c
     long_work = sum(x for x in lengths if x > 2000) * per_token
-    c_long = max(1, round(c * long_work / work)); c_main = c - c_long
-    out = dict(requests=n, concurrency=c, per_token_ms=per_token * 1e3, long_share_of_work=f'{long_work / work:.0%}', ideal_s=round(ideal, 2))
+    c_long = max(1, round(c * long_work / work))
+    c_main = c - c_long
+    out = dict(
+        requests=n,
+        concurrency=c,
+        per_token_ms=per_token * 1e3,
+        long_share_of_work=f'{long_work / work:.0%}',
+        ideal_s=round(ideal, 2),
+    )
     with FakeTarget(length=lambda k: k[0], per_token=per_token).start(process=True) as ft:
-        for name, js, conc in [('one queue, random order', jobs(lengths), dict(main=c)),
-                               ('one queue, long ones last', jobs(sorted(lengths, key=lambda x: x > 2000)), dict(main=c)),
-                               (f'partitions main C={c_main} + long C={c_long}', jobs(lengths, lambda x: 'long' if x > 2000 else 'main'),
-                                dict(main=c_main, long=c_long))]:
+        for name, js, conc in [
+            ('one queue, random order', jobs(lengths), dict(main=c)),
+            ('one queue, long ones last', jobs(sorted(lengths, key=lambda x: x > 2000)), dict(main=c)),
+            (
+                f'partitions main C={c_main} + long C={c_long}',
+                jobs(lengths, lambda x: 'long' if x > 2000 else 'main'),
+                dict(main=c_main, long=c_long),
+            ),
+        ]:
             wall, _ = run(js, ft, conc)
             out[name] = f'{wall:.2f} s = {wall / ideal:.2f} x ideal'
     return out
 
 
-def _e2e_sum(base_url)->float:
+def _e2e_sum(base_url) -> float:
     "The engine's summed per-request end-to-end seconds (its /metrics histogram)"
     import urllib.request
+
     txt = urllib.request.urlopen(base_url.removesuffix('/v1') + '/metrics', timeout=30).read().decode()
-    return sum(float(l.rsplit(' ', 1)[1]) for l in txt.splitlines() if l.startswith('vllm:e2e_request_latency_seconds_sum'))
+    return sum(
+        float(l.rsplit(' ', 1)[1]) for l in txt.splitlines() if l.startswith('vllm:e2e_request_latency_seconds_sum')
+    )
 
 
 def engine_makespan(toy='qwen3-tiny', n=96, c=8, seed=0):
     "One queue vs the two partitions against vLLM: makespan / ideal, client CPU per request"
     from eagle3nb.engine import VllmServer, engine_info
     from eagle3nb.toy import ensure_toy
+
     rng = random.Random(seed)
     lengths = [rng.randint(96, 128) if rng.random() < 0.05 else rng.randint(4, 16) for _ in range(n)]
     long_work = sum(x for x in lengths if x > 64)
-    c_long = max(1, round(c * long_work / sum(lengths))); c_main = c - c_long
-    mk = lambda part: [Job(f's{i:06d}', f'c{i}', 'bench', part(L), [100 + rng.randrange(3000) for _ in range(16)], max_tokens=L)
-                       for i, L in enumerate(lengths)]
-    out = dict(target=toy, requests=n, concurrency=c, long_requests=sum(x > 64 for x in lengths), long_share_of_tokens=f'{long_work / sum(lengths):.0%}')
+    c_long = max(1, round(c * long_work / sum(lengths)))
+    c_main = c - c_long
+    mk = lambda part: [
+        Job(f's{i:06d}', f'c{i}', 'bench', part(L), [100 + rng.randrange(3000) for _ in range(16)], max_tokens=L)
+        for i, L in enumerate(lengths)
+    ]
+    out = dict(
+        target=toy,
+        requests=n,
+        concurrency=c,
+        long_requests=sum(x > 64 for x in lengths),
+        long_share_of_tokens=f'{long_work / sum(lengths):.0%}',
+    )
     with VllmServer(ensure_toy(toy)) as srv:
         out['engine'] = f"{engine_info(srv.python)['dist']} {engine_info(srv.python)['version']}"
-        for name, js, conc in [(f'one queue C={c}', mk(lambda L: 'main'), dict(main=c)),
-                               (f'partitions main C={c_main} + long C={c_long}', mk(lambda L: 'long' if L > 64 else 'main'), dict(main=c_main, long=c_long))]:
+        for name, js, conc in [
+            (f'one queue C={c}', mk(lambda L: 'main'), dict(main=c)),
+            (
+                f'partitions main C={c_main} + long C={c_long}',
+                mk(lambda L: 'long' if L > 64 else 'main'),
+                dict(main=c_main, long=c_long),
+            ),
+        ]:
             e0 = _e2e_sum(srv.base_url)
             wall, cpu = run(js, srv, conc)
             work = _e2e_sum(srv.base_url) - e0  # includes the one-token probe request
-            out[name] = dict(makespan_s=round(wall, 2), ideal_s=round(work / c, 2), makespan_vs_ideal=round(wall / (work / c), 2),
-                             client_cpu_per_req_ms=round(cpu / n * 1e3, 2), req_per_s=round(n / wall, 1))
+            out[name] = dict(
+                makespan_s=round(wall, 2),
+                ideal_s=round(work / c, 2),
+                makespan_vs_ideal=round(wall / (work / c), 2),
+                client_cpu_per_req_ms=round(cpu / n * 1e3, 2),
+                req_per_s=round(n / wall, 1),
+            )
     return out
 
 
 if __name__ == '__main__':
-    ap = argparse.ArgumentParser(); ap.add_argument('--quick', action='store_true'); ap.add_argument('--engine', choices=['vllm'])
-    ap.add_argument('--n', type=int, default=96); ap.add_argument('--c', type=int, default=8); ap.add_argument('--toy', default='qwen3-tiny')
+    ap = argparse.ArgumentParser()
+    ap.add_argument('--quick', action='store_true')
+    ap.add_argument('--engine', choices=['vllm'])
+    ap.add_argument('--n', type=int, default=96)
+    ap.add_argument('--c', type=int, default=8)
+    ap.add_argument('--toy', default='qwen3-tiny')
     a = ap.parse_args()
     q = a.quick
-    if a.engine: res = engine_makespan(a.toy, a.n, a.c)
-    else: res = dict(throughput=[throughput(2000 if q else 20000, 200)], cpu_at_200=[cpu_at(200, 5 if q else 20)],
-                     makespan=makespan(500 if q else 2000, 64, 0.0005))
+    if a.engine:
+        res = engine_makespan(a.toy, a.n, a.c)
+    else:
+        res = dict(
+            throughput=[throughput(2000 if q else 20000, 200)],
+            cpu_at_200=[cpu_at(200, 5 if q else 20)],
+            makespan=makespan(500 if q else 2000, 64, 0.0005),
+        )
     print(json.dumps(res, indent=1))

@@ -11,361 +11,532 @@ import json
 from .schema import Reject, message, tool_call, tool_spec, split_think, conversation, adapter
 
 # %% ../nbs/11_adapters.ipynb #96d649ee
-_JSON_NAMES = {dict: 'an object', list: 'a list', str: 'text', int: 'a number', float: 'a number', bool: 'a boolean', type(None): 'null'}
+_JSON_NAMES = {
+    dict: 'an object',
+    list: 'a list',
+    str: 'text',
+    int: 'a number',
+    float: 'a number',
+    bool: 'a boolean',
+    type(None): 'null',
+}
 
-def _jtype(x)->str:
+
+def _jtype(x) -> str:
     "JSON-ish name of the type of `x`, for reasons"
     return _JSON_NAMES.get(type(x), type(x).__name__)
 
-def _short(x)->str:
+
+def _short(x) -> str:
     "A role or type name as it may appear in a reason: quoted text of at most 40 characters, else its type"
-    if not isinstance(x, str): return _jtype(x)
+    if not isinstance(x, str):
+        return _jtype(x)
     r = repr(x[:30])
     return r if len(r) <= 40 else r[:37] + '...'
 
 # %% ../nbs/11_adapters.ipynb #bc012551
-def _record(r)->dict:
+def _record(r) -> dict:
     "`r` if it is an object; `Reject` otherwise"
-    if not isinstance(r, dict): raise Reject(f'record is {_jtype(r)}, not an object')
+    if not isinstance(r, dict):
+        raise Reject(f'record is {_jtype(r)}, not an object')
     return r
 
-def _first(d:dict, *keys):
+
+def _first(d: dict, *keys):
     "The value of the first of `keys` that is present and not None"
     return next((d[k] for k in keys if d.get(k) is not None), None)
 
-def _field(d:dict, key:str, typ:type, default=None):
+
+def _field(d: dict, key: str, typ: type, default=None):
     "`d[key]` checked to be a `typ`; missing or None gives `default`"
     v = d.get(key)
-    if v is None: return default
-    if not isinstance(v, typ): raise Reject(f'{key} is {_jtype(v)}, not {_JSON_NAMES[typ]}')
+    if v is None:
+        return default
+    if not isinstance(v, typ):
+        raise Reject(f'{key} is {_jtype(v)}, not {_JSON_NAMES[typ]}')
     return v
 
 # %% ../nbs/11_adapters.ipynb #c6f5593d
-def _loads(s:str, reason:str):
+def _loads(s: str, reason: str):
     "`json.loads(s)`, or `Reject(reason)` if `s` is not valid JSON"
-    try: return json.loads(s)
-    except (ValueError, RecursionError): raise Reject(reason) from None
+    try:
+        return json.loads(s)
+    except (ValueError, RecursionError):
+        raise Reject(reason) from None
 
 # %% ../nbs/11_adapters.ipynb #a6ec306a
 def _drop_none(x):
     "`x` with None-valued keys removed from every object inside it"
-    if isinstance(x, dict): return {k: _drop_none(v) for k, v in x.items() if v is not None}
-    if isinstance(x, list): return [_drop_none(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _drop_none(v) for k, v in x.items() if v is not None}
+    if isinstance(x, list):
+        return [_drop_none(v) for v in x]
     return x
 
 # %% ../nbs/11_adapters.ipynb #bcd3f714
-def _call(name, arguments, id=None, exact:bool=False)->dict:
+def _call(name, arguments, id=None, exact: bool = False) -> dict:
     "A canonical tool call; dict `arguments` lose null-filled keys unless `exact` (parsed from JSON text)"
     if isinstance(arguments, dict) and not exact:
-        try: arguments = _drop_none(arguments)
-        except RecursionError: raise Reject('tool call arguments nested too deeply') from None
+        try:
+            arguments = _drop_none(arguments)
+        except RecursionError:
+            raise Reject('tool call arguments nested too deeply') from None
     return tool_call(name, arguments, id)
 
 # %% ../nbs/11_adapters.ipynb #b085586d
-def _named_call(v, what:str)->dict:
+def _named_call(v, what: str) -> dict:
     "A tool call from a `{name, arguments}` object or its JSON text"
     exact = isinstance(v, str)
-    if exact: v = _loads(v, f'{what} is not valid JSON')
-    if not isinstance(v, dict): raise Reject(f'{what} is {_jtype(v)}, not an object with name and arguments')
+    if exact:
+        v = _loads(v, f'{what} is not valid JSON')
+    if not isinstance(v, dict):
+        raise Reject(f'{what} is {_jtype(v)}, not an object with name and arguments')
     v = {k: x for k, x in v.items() if x is not None}
     extra = sorted(str(k) for k in v if k not in ('name', 'arguments'))
-    if extra: raise Reject(f'{what} has unexpected key {_short(extra[0])}')
+    if extra:
+        raise Reject(f'{what} has unexpected key {_short(extra[0])}')
     return _call(v.get('name'), v.get('arguments'), exact=exact)
 
 # %% ../nbs/11_adapters.ipynb #31bf0d01
-def _openai_calls(tc)->list:
+def _openai_calls(tc) -> list:
     "Canonical calls from an OpenAI `tool_calls` list (flat `{name, arguments}` entries accepted too)"
-    if tc is None: return []
-    if not isinstance(tc, list): raise Reject(f'tool_calls is {_jtype(tc)}, not a list')
+    if tc is None:
+        return []
+    if not isinstance(tc, list):
+        raise Reject(f'tool_calls is {_jtype(tc)}, not a list')
     out = []
     for c in tc:
-        if not isinstance(c, dict): raise Reject(f'tool call is {_jtype(c)}, not an object')
-        if c.get('type') not in (None, 'function'): raise Reject(f'tool call of type {_short(c["type"])}')
+        if not isinstance(c, dict):
+            raise Reject(f'tool call is {_jtype(c)}, not an object')
+        if c.get('type') not in (None, 'function'):
+            raise Reject(f'tool call of type {_short(c["type"])}')
         f = c['function'] if c.get('function') is not None else c if 'name' in c else None
-        if not isinstance(f, dict): raise Reject('tool call without a function')
+        if not isinstance(f, dict):
+            raise Reject('tool call without a function')
         out.append(_call(f.get('name'), f.get('arguments'), c.get('id')))
     return out
 
 # %% ../nbs/11_adapters.ipynb #374b2ad3
-def _tools(v)->list:
+def _tools(v) -> list:
     "Tool specs from a list, JSON text or null, as OpenAI function specs"
-    if v is None or (isinstance(v, str) and not v.strip()): return []
-    if isinstance(v, str): v = _loads(v, 'tools is not valid JSON')
-    else: v = _drop_none(v)
-    if v is None: return []
-    if not isinstance(v, list): raise Reject(f'tools is {_jtype(v)}, not a list')
+    if v is None or (isinstance(v, str) and not v.strip()):
+        return []
+    if isinstance(v, str):
+        v = _loads(v, 'tools is not valid JSON')
+    else:
+        v = _drop_none(v)
+    if v is None:
+        return []
+    if not isinstance(v, list):
+        raise Reject(f'tools is {_jtype(v)}, not a list')
     return [tool_spec(t) for t in v]
 
 # %% ../nbs/11_adapters.ipynb #ee586d17
-def _parts(parts:list, role:str)->tuple:
+def _parts(parts: list, role: str) -> tuple:
     "`(text, reasoning, calls)` from typed content parts; reasoning is None without a reasoning part"
     text, reasoning, calls = [], [], []
     for p in parts:
-        if not isinstance(p, dict): raise Reject(f'content part is {_jtype(p)}, not an object')
+        if not isinstance(p, dict):
+            raise Reject(f'content part is {_jtype(p)}, not an object')
         t, v = p.get('type'), p.get('text') if p.get('text') is not None else p.get('value')
-        if t == 'tool_call' and role == 'assistant': calls.append(_named_call(v, 'tool_call part')); continue
-        if t not in ('text', 'reasoning'): raise Reject(f'non-text content part {_short(t)}')
-        if not isinstance(v, str): raise Reject(f'{t} part without text')
-        if t == 'reasoning' and role != 'assistant': raise Reject(f'reasoning part in a {role} turn')
+        if t == 'tool_call' and role == 'assistant':
+            calls.append(_named_call(v, 'tool_call part'))
+            continue
+        if t not in ('text', 'reasoning'):
+            raise Reject(f'non-text content part {_short(t)}')
+        if not isinstance(v, str):
+            raise Reject(f'{t} part without text')
+        if t == 'reasoning' and role != 'assistant':
+            raise Reject(f'reasoning part in a {role} turn')
         (text if t == 'text' else reasoning).append(v)
     return ''.join(text), ''.join(reasoning) if reasoning else None, calls
 
 # %% ../nbs/11_adapters.ipynb #3ad35292
-def _assistant(content, reasoning=None, calls=None)->dict:
+def _assistant(content, reasoning=None, calls=None) -> dict:
     "An assistant message; a leading `<think>` block in `content` becomes its reasoning"
-    if content is None: content = ''
-    if not isinstance(content, str): raise Reject(f'assistant content is {_jtype(content)}, not text')
-    if reasoning is not None and not isinstance(reasoning, str): raise Reject(f'reasoning_content is {_jtype(reasoning)}, not text')
+    if content is None:
+        content = ''
+    if not isinstance(content, str):
+        raise Reject(f'assistant content is {_jtype(content)}, not text')
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise Reject(f'reasoning_content is {_jtype(reasoning)}, not text')
     r, content = split_think(content)
-    if r is not None and reasoning is not None: raise Reject('reasoning given twice: reasoning_content and inline <think>')
+    if r is not None and reasoning is not None:
+        raise Reject('reasoning given twice: reasoning_content and inline <think>')
     return message('assistant', content, reasoning if r is None else r, calls)
 
 # %% ../nbs/11_adapters.ipynb #49571b1d
-def _result_items(content:str, calls:list):
+def _result_items(content: str, calls: list):
     "The N `{content, name?}` items of a grouped tool result for N `calls`, or None if it is not one"
-    if not content.lstrip().startswith('['): return None
-    try: items = json.loads(content)
-    except (ValueError, RecursionError): return None
-    if not (isinstance(items, list) and len(items) == len(calls) and
-            all(isinstance(i, dict) and 'content' in i for i in items)): return None
+    if not content.lstrip().startswith('['):
+        return None
+    try:
+        items = json.loads(content)
+    except (ValueError, RecursionError):
+        return None
+    if not (
+        isinstance(items, list)
+        and len(items) == len(calls)
+        and all(isinstance(i, dict) and 'content' in i for i in items)
+    ):
+        return None
     for i, c in zip(items, calls):
-        if i.get('name') not in (None, c['function']['name']): raise Reject('grouped tool results do not match their calls')
+        if i.get('name') not in (None, c['function']['name']):
+            raise Reject('grouped tool results do not match their calls')
     return items
 
 # %% ../nbs/11_adapters.ipynb #80add9f0
-def _ungroup_results(ms:list)->list:
+def _ungroup_results(ms: list) -> list:
     "Messages with each grouped tool result after N parallel calls split into N results"
     out = []
     for i, m in enumerate(ms):
-        prev, nxt = out[-1] if out else None, ms[i+1] if i+1 < len(ms) else None
+        prev, nxt = out[-1] if out else None, ms[i + 1] if i + 1 < len(ms) else None
         calls = (prev or {}).get('tool_calls') or []  # only an assistant turn has calls
         lone = m['role'] == 'tool' and len(calls) > 1 and (nxt is None or nxt['role'] != 'tool')
         items = _result_items(m['content'], calls) if lone else None
-        if items is None: out.append(m); continue
+        if items is None:
+            out.append(m)
+            continue
         for it, c in zip(items, calls):
             s = it['content'] if isinstance(it['content'], str) else json.dumps(it['content'], ensure_ascii=False)
             out.append(message('tool', s, name=c['function']['name']))
     return out
 
 # %% ../nbs/11_adapters.ipynb #ae548586
-def _meta(rec:dict, fmt:str, used:tuple)->dict:
+def _meta(rec: dict, fmt: str, used: tuple) -> dict:
     "Short scalar fields of `rec` (ids, sources, flags) not read as content, plus the format name"
-    keep = {k: v for k, v in rec.items() if isinstance(k, str) and k not in used and k != 'license'
-            and (isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 200))}
+    keep = {
+        k: v
+        for k, v in rec.items()
+        if isinstance(k, str)
+        and k not in used
+        and k != 'license'
+        and (isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 200))
+    }
     return {'format': fmt, **keep}
 
-def _source_key(rec:dict, keys:tuple):
+
+def _source_key(rec: dict, keys: tuple):
     "The record's own id (first text or integer among `keys`), or None"
     for k in keys:
         v = rec.get(k)
-        if (isinstance(v, str) and v) or (isinstance(v, int) and not isinstance(v, bool)): return v
+        if (isinstance(v, str) and v) or (isinstance(v, int) and not isinstance(v, bool)):
+            return v
 
 # %% ../nbs/11_adapters.ipynb #c12cef9a
-def _finish(rec:dict, dataset:str, index:int, kind:str, fmt:str, ms:list, tools=None, license:str=None,
-            used:tuple=(), keys:tuple=('id',))->dict:
+def _finish(
+    rec: dict,
+    dataset: str,
+    index: int,
+    kind: str,
+    fmt: str,
+    ms: list,
+    tools=None,
+    license: str = None,
+    used: tuple = (),
+    keys: tuple = ('id',),
+) -> dict:
     "The canonical conversation of `rec`, normalised, checked and with provenance"
     lic = rec.get('license') if isinstance(rec.get('license'), str) and rec['license'].strip() else license
-    return conversation(dataset, index, _ungroup_results(ms), source_key=_source_key(rec, keys), kind=kind,
-                        tools=tools, license=lic, meta=_meta(rec, fmt, used))
+    return conversation(
+        dataset,
+        index,
+        _ungroup_results(ms),
+        source_key=_source_key(rec, keys),
+        kind=kind,
+        tools=tools,
+        license=lic,
+        meta=_meta(rec, fmt, used),
+    )
 
 # %% ../nbs/11_adapters.ipynb #3dd27024
 _MEDIA = ('images', 'videos', 'audios')
 
-def _start(record, kind:str, default_kind:str)->tuple:
+
+def _start(record, kind: str, default_kind: str) -> tuple:
     "`(record, kind)` after the checks every chat reader makes first"
     rec, kind = _record(record), default_kind if kind is None else kind
     for k in _MEDIA:
-        if rec.get(k): raise Reject(f'multimodal record ({k})')
+        if rec.get(k):
+            raise Reject(f'multimodal record ({k})')
     if kind != 'prompt_only' and (rec.get('chosen') is not None or rec.get('rejected') is not None):
         raise Reject('preference record (chosen/rejected): read it with kind prompt_only')
     return rec, kind
 
 # %% ../nbs/11_adapters.ipynb #6c59e93d
-_SHAREGPT_ROLES = {'human': 'user', 'user': 'user', 'gpt': 'assistant', 'chatgpt': 'assistant', 'bing': 'assistant',
-                   'bard': 'assistant', 'assistant': 'assistant', 'system': 'system', 'observation': 'tool',
-                   'tool': 'tool', 'function_call': 'function_call'}
+_SHAREGPT_ROLES = {
+    'human': 'user',
+    'user': 'user',
+    'gpt': 'assistant',
+    'chatgpt': 'assistant',
+    'bing': 'assistant',
+    'bard': 'assistant',
+    'assistant': 'assistant',
+    'system': 'system',
+    'observation': 'tool',
+    'tool': 'tool',
+    'function_call': 'function_call',
+}
 
-def _function_calls(v)->list:
+
+def _function_calls(v) -> list:
     "Calls of a `function_call` turn: one `{name, arguments}` or a list of them, as JSON text"
-    if not isinstance(v, str): raise Reject(f'function_call value is {_jtype(v)}, not text')
+    if not isinstance(v, str):
+        raise Reject(f'function_call value is {_jtype(v)}, not text')
     v = _loads(v, 'function_call value is not valid JSON')
     return [_named_call(c, 'function_call') for c in (v if isinstance(v, list) else [v])]
 
 # %% ../nbs/11_adapters.ipynb #d373144a
-def _sharegpt_turn(ms:list, t)->None:
+def _sharegpt_turn(ms: list, t) -> None:
     "Append the canonical form of ShareGPT turn `t` to `ms`"
-    if not isinstance(t, dict): raise Reject(f'turn is {_jtype(t)}, not an object')
-    if 'from' not in t and 'role' in t: raise Reject('turn has role/content, not from/value (use format openai)')
+    if not isinstance(t, dict):
+        raise Reject(f'turn is {_jtype(t)}, not an object')
+    if 'from' not in t and 'role' in t:
+        raise Reject('turn has role/content, not from/value (use format openai)')
     r, v = t.get('from'), t.get('value')
     role = _SHAREGPT_ROLES.get(r) if isinstance(r, str) else None
-    if role is None: raise Reject(f'unknown sharegpt role {_short(r)}')
+    if role is None:
+        raise Reject(f'unknown sharegpt role {_short(r)}')
     if role == 'function_call':
         calls, prev = _function_calls(v), ms[-1] if ms else None
-        if prev and prev['role'] == 'assistant': prev['tool_calls'] = (prev['tool_calls'] or []) + calls
-        else: ms.append(message('assistant', '', tool_calls=calls))
-    else: ms.append(_assistant(v) if role == 'assistant' else message(role, v))
+        if prev and prev['role'] == 'assistant':
+            prev['tool_calls'] = (prev['tool_calls'] or []) + calls
+        else:
+            ms.append(message('assistant', '', tool_calls=calls))
+    else:
+        ms.append(_assistant(v) if role == 'assistant' else message(role, v))
 
 # %% ../nbs/11_adapters.ipynb #7448f9e2
 @adapter('sharegpt')
-def read_sharegpt(record,           # one raw record, as read from json, jsonl or parquet
-                  dataset:str,      # dataset name (part of the sample id)
-                  index:int,        # position of the record in its source
-                  kind:str=None,    # full, prompt_only or native; None: the format's default
-                  )->dict:          # the canonical conversation; `Reject` if the record cannot be read
+def read_sharegpt(
+    record,  # one raw record, as read from json, jsonl or parquet
+    dataset: str,  # dataset name (part of the sample id)
+    index: int,  # position of the record in its source
+    kind: str = None,  # full, prompt_only or native; None: the format's default
+) -> dict:  # the canonical conversation; `Reject` if the record cannot be read
     "ShareGPT (`conversations: [{from, value}]`, LLaMA-Factory's function_call/observation, tools, system)"
     rec, kind = _start(record, kind, 'full')
     turns = _first(rec, 'conversations', 'messages')
-    if not isinstance(turns, list): raise Reject(f'conversations is {_jtype(turns)}, not a list')
+    if not isinstance(turns, list):
+        raise Reject(f'conversations is {_jtype(turns)}, not a list')
     ms, system = [], _field(rec, 'system', str)
     if system and not (turns and isinstance(turns[0], dict) and turns[0].get('from') == 'system'):
         ms.append(message('system', system))
-    for t in turns: _sharegpt_turn(ms, t)
-    return _finish(rec, dataset, index, kind, 'sharegpt', ms, _tools(rec.get('tools')),
-                   used=('conversations', 'messages', 'system', 'tools'))
+    for t in turns:
+        _sharegpt_turn(ms, t)
+    return _finish(
+        rec,
+        dataset,
+        index,
+        kind,
+        'sharegpt',
+        ms,
+        _tools(rec.get('tools')),
+        used=('conversations', 'messages', 'system', 'tools'),
+    )
 
 # %% ../nbs/11_adapters.ipynb #e9dfd2b0
-_OPENAI_ROLES = {'system': 'system', 'developer': 'system', 'user': 'user', 'assistant': 'assistant', 'tool': 'tool', 'function': 'tool'}
+_OPENAI_ROLES = {
+    'system': 'system',
+    'developer': 'system',
+    'user': 'user',
+    'assistant': 'assistant',
+    'tool': 'tool',
+    'function': 'tool',
+}
 
-def _opt_text(m:dict, key:str):
+
+def _opt_text(m: dict, key: str):
     "`m[key]` if it is text, None if absent; `Reject` otherwise"
     v = m.get(key)
-    if v is None or isinstance(v, str): return v or None
+    if v is None or isinstance(v, str):
+        return v or None
     raise Reject(f'{key} is {_jtype(v)}, not text')
 
 # %% ../nbs/11_adapters.ipynb #d3e8607d
-def _openai_message(m)->dict:
+def _openai_message(m) -> dict:
     "A canonical message from one OpenAI-style message"
-    if not isinstance(m, dict): raise Reject(f'message is {_jtype(m)}, not an object')
-    if 'role' not in m and 'from' in m: raise Reject('message has from/value, not role/content (use format sharegpt)')
+    if not isinstance(m, dict):
+        raise Reject(f'message is {_jtype(m)}, not an object')
+    if 'role' not in m and 'from' in m:
+        raise Reject('message has from/value, not role/content (use format sharegpt)')
     role = _OPENAI_ROLES.get(m['role']) if isinstance(m.get('role'), str) else None
-    if role is None: raise Reject(f'unknown role {_short(m.get("role"))}')
+    if role is None:
+        raise Reject(f'unknown role {_short(m.get("role"))}')
     c = m.get('content')
     text, reasoning, calls = _parts(c, role) if isinstance(c, list) else (c, None, [])
     if role == 'assistant':
         rc = m.get('reasoning_content')
-        if rc is not None and reasoning is not None: raise Reject('reasoning given twice: reasoning_content and reasoning parts')
+        if rc is not None and reasoning is not None:
+            raise Reject('reasoning given twice: reasoning_content and reasoning parts')
         calls = calls + _openai_calls(m.get('tool_calls'))
-        if m.get('function_call') is not None: calls.append(_named_call(m['function_call'], 'function_call'))
+        if m.get('function_call') is not None:
+            calls.append(_named_call(m['function_call'], 'function_call'))
         return _assistant(text, reasoning if rc is None else rc, calls)
-    if m.get('tool_calls') or m.get('function_call') or m.get('reasoning_content'): raise Reject(f'tool calls or reasoning in a {role} turn')
-    if role == 'tool': return message('tool', text, tool_call_id=_opt_text(m, 'tool_call_id'), name=_opt_text(m, 'name'))
+    if m.get('tool_calls') or m.get('function_call') or m.get('reasoning_content'):
+        raise Reject(f'tool calls or reasoning in a {role} turn')
+    if role == 'tool':
+        return message('tool', text, tool_call_id=_opt_text(m, 'tool_call_id'), name=_opt_text(m, 'name'))
     return message(role, text)
 
 # %% ../nbs/11_adapters.ipynb #b113bd6b
-def _chat_messages(rec:dict)->list:
+def _chat_messages(rec: dict) -> list:
     "Canonical messages of an OpenAI-style record (`messages` or `conversations`, optional `system` column)"
     msgs = _first(rec, 'messages', 'conversations')
-    if not isinstance(msgs, list): raise Reject(f'messages is {_jtype(msgs)}, not a list')
+    if not isinstance(msgs, list):
+        raise Reject(f'messages is {_jtype(msgs)}, not a list')
     ms, system = [_openai_message(m) for m in msgs], _field(rec, 'system', str)
     return ([message('system', system)] if system and not (ms and ms[0]['role'] == 'system') else []) + ms
 
-def _chat(record, dataset, index, kind, fmt, license=None, default_kind='full')->dict:
+
+def _chat(record, dataset, index, kind, fmt, license=None, default_kind='full') -> dict:
     "Read an OpenAI-style record as format `fmt`"
     rec, kind = _start(record, kind, default_kind)
     ms, tools = _chat_messages(rec), rec.get('tools')
-    return _finish(rec, dataset, index, kind, fmt, ms, _tools(rec.get('functions') if tools is None else tools),
-                   license, used=('messages', 'conversations', 'system', 'tools', 'functions'))
+    return _finish(
+        rec,
+        dataset,
+        index,
+        kind,
+        fmt,
+        ms,
+        _tools(rec.get('functions') if tools is None else tools),
+        license,
+        used=('messages', 'conversations', 'system', 'tools', 'functions'),
+    )
 
 # %% ../nbs/11_adapters.ipynb #d94bff8c
 @adapter('openai')
-def read_openai(record,           # one raw record, as read from json, jsonl or parquet
-                dataset:str,      # dataset name (part of the sample id)
-                index:int,        # position of the record in its source
-                kind:str=None,    # full, prompt_only or native; None: the format's default
-                )->dict:          # the canonical conversation; `Reject` if the record cannot be read
+def read_openai(
+    record,  # one raw record, as read from json, jsonl or parquet
+    dataset: str,  # dataset name (part of the sample id)
+    index: int,  # position of the record in its source
+    kind: str = None,  # full, prompt_only or native; None: the format's default
+) -> dict:  # the canonical conversation; `Reject` if the record cannot be read
     "OpenAI chat messages with tools (also SpecForge's conversation JSONL and null-filled parquet dumps)"
     return _chat(record, dataset, index, kind, 'openai')
 
 # %% ../nbs/11_adapters.ipynb #b963a5fa
 @adapter('llamafactory_v1')
-def read_llamafactory_v1(record,           # one raw record, as read from json, jsonl or parquet
-                         dataset:str,      # dataset name (part of the sample id)
-                         index:int,        # position of the record in its source
-                         kind:str=None,    # full, prompt_only or native; None: the format's default
-                         )->dict:          # the canonical conversation; `Reject` if the record cannot be read
+def read_llamafactory_v1(
+    record,  # one raw record, as read from json, jsonl or parquet
+    dataset: str,  # dataset name (part of the sample id)
+    index: int,  # position of the record in its source
+    kind: str = None,  # full, prompt_only or native; None: the format's default
+) -> dict:  # the canonical conversation; `Reject` if the record cannot be read
     "LLaMA-Factory v1 messages with typed parts (text, reasoning, tool_call)"
     return _chat(record, dataset, index, kind, 'llamafactory_v1')
 
 # %% ../nbs/11_adapters.ipynb #b925cf19
 ALPACA_JOINER = '\n\n'  # between instruction and input; LLaMA-Factory uses '\n', SpecForge '\n\n'
 
-def _history(h)->list:
+
+def _history(h) -> list:
     "Messages from an Alpaca `history` of `[user, assistant]` pairs"
-    ok = isinstance(h, list) and all(isinstance(p, list) and len(p) == 2 and all(isinstance(s, str) for s in p) for p in h)
-    if not ok: raise Reject('history is not a list of [user, assistant] text pairs')
+    ok = isinstance(h, list) and all(
+        isinstance(p, list) and len(p) == 2 and all(isinstance(s, str) for s in p) for p in h
+    )
+    if not ok:
+        raise Reject('history is not a list of [user, assistant] text pairs')
     return [m for u, a in h for m in (message('user', u), _assistant(a))]
 
-def _instruction(rec:dict)->str:
+
+def _instruction(rec: dict) -> str:
     "Instruction and input joined by `ALPACA_JOINER` (an empty one skipped)"
     parts = (_field(rec, 'instruction', str, ''), _field(rec, 'input', str, ''))
     return ALPACA_JOINER.join(p for p in parts if p.strip())
 
 # %% ../nbs/11_adapters.ipynb #5a7ad9a6
 @adapter('alpaca')
-def read_alpaca(record,           # one raw record, as read from json, jsonl or parquet
-                dataset:str,      # dataset name (part of the sample id)
-                index:int,        # position of the record in its source
-                kind:str=None,    # full, prompt_only or native; None: the format's default
-                )->dict:          # the canonical conversation; `Reject` if the record cannot be read
+def read_alpaca(
+    record,  # one raw record, as read from json, jsonl or parquet
+    dataset: str,  # dataset name (part of the sample id)
+    index: int,  # position of the record in its source
+    kind: str = None,  # full, prompt_only or native; None: the format's default
+) -> dict:  # the canonical conversation; `Reject` if the record cannot be read
     "Alpaca (`instruction`, `input`, `output`, optional `system`, `history`)"
     rec, kind = _start(record, kind, 'full')
     system, out = _field(rec, 'system', str), rec.get('output')
     ms = ([message('system', system)] if system else []) + _history(_field(rec, 'history', list, []))
     ms.append(message('user', _instruction(rec)))
-    if out is not None: ms.append(_assistant(out))
-    return _finish(rec, dataset, index, kind, 'alpaca', ms, used=('instruction', 'input', 'output', 'system', 'history'))
+    if out is not None:
+        ms.append(_assistant(out))
+    return _finish(
+        rec, dataset, index, kind, 'alpaca', ms, used=('instruction', 'input', 'output', 'system', 'history')
+    )
 
 # %% ../nbs/11_adapters.ipynb #78a67d33
 @adapter('ultrachat')
-def read_ultrachat(record,           # one raw record, as read from json, jsonl or parquet
-                   dataset:str,      # dataset name (part of the sample id)
-                   index:int,        # position of the record in its source
-                   kind:str=None,    # full, prompt_only or native; None: the format's default
-                   )->dict:          # the canonical conversation; `Reject` if the record cannot be read
+def read_ultrachat(
+    record,  # one raw record, as read from json, jsonl or parquet
+    dataset: str,  # dataset name (part of the sample id)
+    index: int,  # position of the record in its source
+    kind: str = None,  # full, prompt_only or native; None: the format's default
+) -> dict:  # the canonical conversation; `Reject` if the record cannot be read
     "UltraChat 200k (`prompt`, `prompt_id`, `messages` of user/assistant turns)"
     rec, kind = _start(record, kind, 'full')
     prompt, msgs = _field(rec, 'prompt', str), _field(rec, 'messages', list, [])
     for m in msgs:
-        if not isinstance(m, dict) or m.get('role') not in ('user', 'assistant'): raise Reject('ultrachat turn is not a user or assistant message')
+        if not isinstance(m, dict) or m.get('role') not in ('user', 'assistant'):
+            raise Reject('ultrachat turn is not a user or assistant message')
     ms = [_openai_message(m) for m in msgs] or ([message('user', prompt)] if prompt is not None else [])
     first = next((m['content'] for m in ms if m['role'] == 'user'), None)
-    if prompt is not None and first is not None and first.strip() != prompt.strip(): raise Reject('first user message differs from prompt')
-    return _finish(rec, dataset, index, kind, 'ultrachat', ms, license='mit', used=('prompt', 'messages'), keys=('prompt_id', 'id'))
+    if prompt is not None and first is not None and first.strip() != prompt.strip():
+        raise Reject('first user message differs from prompt')
+    return _finish(
+        rec, dataset, index, kind, 'ultrachat', ms, license='mit', used=('prompt', 'messages'), keys=('prompt_id', 'id')
+    )
 
 # %% ../nbs/11_adapters.ipynb #90bef302
-def _prompt_messages(rec:dict)->list:
+def _prompt_messages(rec: dict) -> list:
     "Messages of the first prompt column present: prompt, messages, question, instruction"
     p, msgs, q = rec.get('prompt'), rec.get('messages'), rec.get('question')
     if p is not None:
-        if isinstance(p, list): return [_openai_message(m) for m in p]
-        if not isinstance(p, str): raise Reject(f'prompt is {_jtype(p)}, not text or messages')
+        if isinstance(p, list):
+            return [_openai_message(m) for m in p]
+        if not isinstance(p, str):
+            raise Reject(f'prompt is {_jtype(p)}, not text or messages')
         return [message('user', p)]
-    if msgs is not None: return _chat_messages({'messages': msgs})
-    if q is not None: return [message('user', q)]
-    if rec.get('instruction') is not None: return [message('user', _instruction(rec))]
+    if msgs is not None:
+        return _chat_messages({'messages': msgs})
+    if q is not None:
+        return [message('user', q)]
+    if rec.get('instruction') is not None:
+        return [message('user', _instruction(rec))]
     raise Reject('no prompt column (prompt, messages, question or instruction)')
 
 # %% ../nbs/11_adapters.ipynb #10dd052d
 @adapter('prompt_only', kind='prompt_only')
-def read_prompt_only(record,           # one raw record, as read from json, jsonl or parquet
-                     dataset:str,      # dataset name (part of the sample id)
-                     index:int,        # position of the record in its source
-                     kind:str=None,    # full, prompt_only or native; None: the format's default
-                     )->dict:          # the canonical conversation; `Reject` if the record cannot be read
+def read_prompt_only(
+    record,  # one raw record, as read from json, jsonl or parquet
+    dataset: str,  # dataset name (part of the sample id)
+    index: int,  # position of the record in its source
+    kind: str = None,  # full, prompt_only or native; None: the format's default
+) -> dict:  # the canonical conversation; `Reject` if the record cannot be read
     "A prompt to be answered by the target (`prompt`, `messages`, `question` or `instruction` column)"
     rec, kind = _start(record, kind, 'prompt_only')
     system, ms = _field(rec, 'system', str), _prompt_messages(rec)
-    if system and not (ms and ms[0]['role'] == 'system'): ms = [message('system', system)] + ms
-    return _finish(rec, dataset, index, kind, 'prompt_only', ms, _tools(rec.get('tools')),
-                   used=('prompt', 'messages', 'question', 'instruction', 'input', 'system', 'tools'))
+    if system and not (ms and ms[0]['role'] == 'system'):
+        ms = [message('system', system)] + ms
+    return _finish(
+        rec,
+        dataset,
+        index,
+        kind,
+        'prompt_only',
+        ms,
+        _tools(rec.get('tools')),
+        used=('prompt', 'messages', 'question', 'instruction', 'input', 'system', 'tools'),
+    )
 
 # %% ../nbs/11_adapters.ipynb #ebc3174b
 @adapter('mixture_of_thoughts')
-def read_mixture_of_thoughts(record,           # one raw record, as read from json, jsonl or parquet
-                             dataset:str,      # dataset name (part of the sample id)
-                             index:int,        # position of the record in its source
-                             kind:str=None,    # full, prompt_only or native; None: the format's default
-                             )->dict:          # the canonical conversation; `Reject` if the record cannot be read
+def read_mixture_of_thoughts(
+    record,  # one raw record, as read from json, jsonl or parquet
+    dataset: str,  # dataset name (part of the sample id)
+    index: int,  # position of the record in its source
+    kind: str = None,  # full, prompt_only or native; None: the format's default
+) -> dict:  # the canonical conversation; `Reject` if the record cannot be read
     "Mixture-of-Thoughts (`messages` with `<think>` inline in assistant content)"
     c = _chat(record, dataset, index, kind, 'mixture_of_thoughts', license='apache-2.0')
     if any(m['role'] == 'assistant' and m['reasoning_content'] is None for m in c['messages']):

@@ -10,30 +10,40 @@ import ast, json, re
 from .schema import Reject, message, tool_call, tool_spec, split_think, conversation, adapter
 
 # %% ../nbs/12_agent_adapters.ipynb #66b63697
-def _tname(v): return 'null' if v is None else type(v).__name__
+def _tname(v):
+    return 'null' if v is None else type(v).__name__
 
-def _record(rec)->dict:
+
+def _record(rec) -> dict:
     "`rec` itself if it is a dict, else `Reject`"
-    if not isinstance(rec, dict): raise Reject(f'record is a {_tname(rec)}, not an object')
+    if not isinstance(rec, dict):
+        raise Reject(f'record is a {_tname(rec)}, not an object')
     return rec
 
-def _field(rec:dict, key:str, types, required:bool=True):
+
+def _field(rec: dict, key: str, types, required: bool = True):
     "`rec[key]` if it has one of `types`; None when absent and not `required`; else `Reject`"
     v = _record(rec).get(key)
-    if v is None and not required: return None
-    if v is None: raise Reject(f'missing field {key!r}')
-    if not isinstance(v, types): raise Reject(f'field {key!r} is a {_tname(v)}')
+    if v is None and not required:
+        return None
+    if v is None:
+        raise Reject(f'missing field {key!r}')
+    if not isinstance(v, types):
+        raise Reject(f'field {key!r} is a {_tname(v)}')
     return v
 
 # %% ../nbs/12_agent_adapters.ipynb #8dc22969
-def _dicts(v, what:str)->list:
+def _dicts(v, what: str) -> list:
     "`v` if it is a list of dicts, else `Reject`"
-    if not isinstance(v, list) or not all(isinstance(o, dict) for o in v): raise Reject(f'{what} is not a list of objects')
+    if not isinstance(v, list) or not all(isinstance(o, dict) for o in v):
+        raise Reject(f'{what} is not a list of objects')
     return v
 
-def _opt_str(v, what:str):
+
+def _opt_str(v, what: str):
     "`v` if it is a str or None, else `Reject`"
-    if v is not None and not isinstance(v, str): raise Reject(f'{what} is not text')
+    if v is not None and not isinstance(v, str):
+        raise Reject(f'{what} is not text')
     return v
 
 # %% ../nbs/12_agent_adapters.ipynb #70ebcf1f
@@ -41,124 +51,166 @@ def _key(v):
     "A usable source key (str or int) or None"
     return v if isinstance(v, (str, int)) and not isinstance(v, bool) else None
 
-def _meta(rec:dict, keys)->dict:
+
+def _meta(rec: dict, keys) -> dict:
     "The scalar fields `keys` of `rec`, for `meta`"
     return {k: rec[k] for k in keys if isinstance(rec.get(k), (str, int, float, bool))}
 
 # %% ../nbs/12_agent_adapters.ipynb #8de28ea9
-def _jsonable(v)->bool:
+def _jsonable(v) -> bool:
     "True if `v` is made of JSON types only (dicts with str keys, lists, str, numbers, bools, None)"
-    if v is None or isinstance(v, (str, bool, int, float)): return True
-    if isinstance(v, list): return all(_jsonable(o) for o in v)
+    if v is None or isinstance(v, (str, bool, int, float)):
+        return True
+    if isinstance(v, list):
+        return all(_jsonable(o) for o in v)
     return isinstance(v, dict) and all(isinstance(k, str) and _jsonable(o) for k, o in v.items())
 
-def _literal(s:str, what:str):
+
+def _literal(s: str, what: str):
     "JSON value of `s`, which may also be a Python literal; `Reject` if it is neither"
-    try: return json.loads(s)
-    except (ValueError, RecursionError): pass
-    try: v = ast.literal_eval(s.strip())
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError): raise Reject(f'{what} does not parse') from None
-    try: ok = _jsonable(v)
-    except RecursionError: ok = False
-    if not ok: raise Reject(f'{what} holds non-JSON values')
+    try:
+        return json.loads(s)
+    except (ValueError, RecursionError):
+        pass
+    try:
+        v = ast.literal_eval(s.strip())
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        raise Reject(f'{what} does not parse') from None
+    try:
+        ok = _jsonable(v)
+    except RecursionError:
+        ok = False
+    if not ok:
+        raise Reject(f'{what} holds non-JSON values')
     return v
 
 # %% ../nbs/12_agent_adapters.ipynb #5afcbc84
-def _call(name, arguments, id:str=None)->dict:
+def _call(name, arguments, id: str = None) -> dict:
     "`schema.tool_call`, with every parse failure turned into `Reject`"
-    try: return tool_call(name, arguments, id)
-    except Reject: raise
-    except (ValueError, RecursionError): raise Reject('tool call arguments are not valid JSON') from None
+    try:
+        return tool_call(name, arguments, id)
+    except Reject:
+        raise
+    except (ValueError, RecursionError):
+        raise Reject('tool call arguments are not valid JSON') from None
 
-def _text_call(d)->dict:
+
+def _text_call(d) -> dict:
     "Tool call from a parsed `{name, arguments}` object of a text format"
-    if not isinstance(d, dict): raise Reject('tool call is not an object')
-    if 'arguments' not in d: raise Reject('tool call without arguments')
+    if not isinstance(d, dict):
+        raise Reject('tool call is not an object')
+    if 'arguments' not in d:
+        raise Reject('tool call without arguments')
     return _call(d.get('name'), d['arguments'])
 
 # %% ../nbs/12_agent_adapters.ipynb #de220d2a
 def _tool_list(v):
     "Tool specs from a `tools` column (list, or JSON/Python text); None when absent"
-    if v is None or v == '': return None
-    if isinstance(v, str): v = _literal(v, 'tools')
-    if not isinstance(v, list): raise Reject('tools is not a list')
+    if v is None or v == '':
+        return None
+    if isinstance(v, str):
+        v = _literal(v, 'tools')
+    if not isinstance(v, list):
+        raise Reject('tools is not a list')
     return [tool_spec(t) for t in v]
 
 # %% ../nbs/12_agent_adapters.ipynb #e677da7d
-def _text(v, what:str)->str:
+def _text(v, what: str) -> str:
     "Message text from a str, None or a list of text parts"
-    if v is None or isinstance(v, str): return v or ''
-    if isinstance(v, list) and all(isinstance(p, dict) and p.get('type') == 'text' and isinstance(p.get('text'), str) for p in v):
+    if v is None or isinstance(v, str):
+        return v or ''
+    if isinstance(v, list) and all(
+        isinstance(p, dict) and p.get('type') == 'text' and isinstance(p.get('text'), str) for p in v
+    ):
         return ''.join(p['text'] for p in v)
     raise Reject(f'{what} is not text')
 
 # %% ../nbs/12_agent_adapters.ipynb #60d6f361
-def _lead_think(text:str)->tuple:
+def _lead_think(text: str) -> tuple:
     "`(reasoning, content)`, splitting only a `<think>` block that opens the turn"
     return split_think(text) if text.lstrip().startswith('<think>') else (None, text)
 
-def _reasoning(m:dict):
+
+def _reasoning(m: dict):
     "Reasoning from `reasoning_content` or `thinking_blocks`; None when there is neither"
-    if m.get('reasoning_content') is not None: return _opt_str(m['reasoning_content'], 'reasoning_content')
+    if m.get('reasoning_content') is not None:
+        return _opt_str(m['reasoning_content'], 'reasoning_content')
     blocks = m.get('thinking_blocks')
-    if not blocks: return None
-    if not isinstance(blocks, list) or not all(isinstance(b, dict) and b.get('type') == 'thinking'
-                                               and isinstance(b.get('thinking'), str) for b in blocks):
+    if not blocks:
+        return None
+    if not isinstance(blocks, list) or not all(
+        isinstance(b, dict) and b.get('type') == 'thinking' and isinstance(b.get('thinking'), str) for b in blocks
+    ):
         raise Reject('unreadable thinking blocks')
     return '\n'.join(b['thinking'] for b in blocks)
 
 # %% ../nbs/12_agent_adapters.ipynb #eed5672b
-def _openai_calls(calls)->list:
+def _openai_calls(calls) -> list:
     "Canonical tool calls from an OpenAI `tool_calls` list"
     out = []
     for c in _dicts(calls or [], 'tool_calls'):
-        if c.get('type') not in (None, 'function'): raise Reject('tool call of a type other than function')
+        if c.get('type') not in (None, 'function'):
+            raise Reject('tool call of a type other than function')
         f = c.get('function')
-        if not isinstance(f, dict): raise Reject('tool call without a function object')
+        if not isinstance(f, dict):
+            raise Reject('tool call without a function object')
         out.append(_call(f.get('name'), f.get('arguments'), _opt_str(c.get('id'), 'tool call id')))
     return out
 
-def _legacy_call(fc)->list:
+
+def _legacy_call(fc) -> list:
     "The legacy OpenAI `function_call` as a one-call list"
-    if fc is None: return []
-    if not isinstance(fc, dict): raise Reject('function_call is not an object')
+    if fc is None:
+        return []
+    if not isinstance(fc, dict):
+        raise Reject('function_call is not an object')
     return [_call(fc.get('name'), fc.get('arguments'))]
 
 # %% ../nbs/12_agent_adapters.ipynb #081ed302
-def _result_id(m:dict):
+def _result_id(m: dict):
     "The call id a tool message answers (from `tool_call_id` or a one-element `tool_call_ids`)"
     ids = m.get('tool_call_ids')
     if ids is not None:
-        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids): raise Reject('tool_call_ids is not a list of ids')
-        if len(ids) > 1: raise Reject('one tool message answers several tool calls')
-        if ids: return ids[0]
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            raise Reject('tool_call_ids is not a list of ids')
+        if len(ids) > 1:
+            raise Reject('one tool message answers several tool calls')
+        if ids:
+            return ids[0]
     return _opt_str(m.get('tool_call_id'), 'tool_call_id')
 
 # %% ../nbs/12_agent_adapters.ipynb #3a1c7d89
 _OPENAI_ROLES = dict(system='system', user='user', assistant='assistant', tool='tool', function='tool')
 
-def _openai_message(m:dict)->dict:
+
+def _openai_message(m: dict) -> dict:
     "Canonical message from an OpenAI-like dict (OpenHands, SWE-agent history)"
     role = _OPENAI_ROLES.get(m.get('role')) if isinstance(m.get('role'), str) else None
-    if role is None: raise Reject('unknown role')
+    if role is None:
+        raise Reject('unknown role')
     content = _text(m.get('content'), f'{role} content')
-    if role == 'tool': return message('tool', content, tool_call_id=_result_id(m), name=_opt_str(m.get('name'), 'tool name'))
-    if role != 'assistant': return message(role, content)
+    if role == 'tool':
+        return message('tool', content, tool_call_id=_result_id(m), name=_opt_str(m.get('name'), 'tool name'))
+    if role != 'assistant':
+        return message(role, content)
     calls = _openai_calls(m.get('tool_calls')) or _legacy_call(m.get('function_call'))
     reasoning = _reasoning(m)
-    if reasoning is None: reasoning, content = _lead_think(content)
+    if reasoning is None:
+        reasoning, content = _lead_think(content)
     return message('assistant', content, reasoning, calls)
 
 # %% ../nbs/12_agent_adapters.ipynb #1f53ffe9
 _NEBIUS_ROLES = dict(system='system', user='user', ai='assistant')
 
+
 @adapter('nebius_swe_agent')
-def nebius_swe_agent(rec:dict, dataset:str, index:int, kind:str='full')->dict:
+def nebius_swe_agent(rec: dict, dataset: str, index: int, kind: str = 'full') -> dict:
     "nebius/SWE-agent-trajectories row -> conversation"
     ms = []
     for t in _dicts(_field(rec, 'trajectory', list), 'trajectory'):
         role = _NEBIUS_ROLES.get(t.get('role')) if isinstance(t.get('role'), str) else None
-        if role is None: raise Reject('unknown role')
+        if role is None:
+            raise Reject('unknown role')
         text = t.get('system_prompt') if role == 'system' and t.get('system_prompt') is not None else t.get('text')
         ms.append(message(role, text))
     meta = _meta(rec, ('instance_id', 'model_name', 'target', 'exit_status'))
@@ -166,29 +218,40 @@ def nebius_swe_agent(rec:dict, dataset:str, index:int, kind:str='full')->dict:
 
 # %% ../nbs/12_agent_adapters.ipynb #cb644c31
 @adapter('openhands')
-def openhands(rec:dict, dataset:str, index:int, kind:str='full')->dict:
+def openhands(rec: dict, dataset: str, index: int, kind: str = 'full') -> dict:
     "OpenHands trajectory (OpenAI messages) -> conversation"
     key = 'messages' if _record(rec).get('messages') is not None else 'trajectory'
     ms = [_openai_message(m) for m in _dicts(_field(rec, key, list), key)]
     meta = _meta(rec, ('instance_id', 'run_id', 'trajectory_id', 'repo', 'resolved', 'exit_status'))
-    return conversation(dataset, index, ms, source_key=_key(rec.get('trajectory_id')), kind=kind,
-                        tools=_tool_list(rec.get('tools')), meta=meta)
+    return conversation(
+        dataset,
+        index,
+        ms,
+        source_key=_key(rec.get('trajectory_id')),
+        kind=kind,
+        tools=_tool_list(rec.get('tools')),
+        meta=meta,
+    )
 
 # %% ../nbs/12_agent_adapters.ipynb #dea48e64
-def _traj_messages(rec:dict)->list:
+def _traj_messages(rec: dict) -> list:
     "The message dicts of a `.traj` record: `history`, else what `trajectory` holds"
-    if _record(rec).get('history') is not None: return _dicts(rec['history'], 'history')
+    if _record(rec).get('history') is not None:
+        return _dicts(rec['history'], 'history')
     steps = _dicts(_field(rec, 'trajectory', list), 'trajectory')
-    if steps and all('role' in s for s in steps): return steps
+    if steps and all('role' in s for s in steps):
+        return steps
     last = steps[-1] if steps else {}
     query = _dicts(last.get('query'), 'last step query') if last.get('query') is not None else []
-    if not query: raise Reject('.traj without history or query')
-    if any(m.get('tool_calls') for m in query) or not isinstance(last.get('response'), str): return query
+    if not query:
+        raise Reject('.traj without history or query')
+    if any(m.get('tool_calls') for m in query) or not isinstance(last.get('response'), str):
+        return query
     return query + [dict(role='assistant', content=last['response'])]
 
 # %% ../nbs/12_agent_adapters.ipynb #e3ed67b4
 @adapter('sweagent_traj')
-def sweagent_traj(rec:dict, dataset:str, index:int, kind:str='full')->dict:
+def sweagent_traj(rec: dict, dataset: str, index: int, kind: str = 'full') -> dict:
     "SWE-agent `.traj` file (one JSON object) -> conversation"
     ms = [_openai_message(m) for m in _traj_messages(rec)]
     info = rec.get('info') if isinstance(rec.get('info'), dict) else {}
@@ -200,100 +263,134 @@ _PY_ARRAYS = {'list', 'tuple', 'set', 'sequence', 'iterable', 'frozenset'}
 _PY_OBJECTS = {'dict', 'mapping'}
 _PY_TOKENS = re.compile(r'\s*([A-Za-z_][\w.]*|\.\.\.|[\[\],])')
 
-def _py_tokens(t:str)->list:
+
+def _py_tokens(t: str) -> list:
     "Tokens of a python-ish type expression; `Reject` on anything else"
     toks, pos, t = [], 0, t.strip()
     while pos < len(t):
         m = _PY_TOKENS.match(t, pos)
-        if not m: raise Reject('xlam parameter type does not parse')
-        toks.append(m[1]); pos = m.end()
+        if not m:
+            raise Reject('xlam parameter type does not parse')
+        toks.append(m[1])
+        pos = m.end()
     return toks
 
 # %% ../nbs/12_agent_adapters.ipynb #746a02e2
-def _py_parse(toks:list, i:int)->tuple:
+def _py_parse(toks: list, i: int) -> tuple:
     "`(schema, optional, next index)` of the type starting at `toks[i]`"
-    if i >= len(toks) or not re.match(r'[A-Za-z_]', toks[i]): raise Reject('xlam parameter type does not parse')
+    if i >= len(toks) or not re.match(r'[A-Za-z_]', toks[i]):
+        raise Reject('xlam parameter type does not parse')
     name, args, i = toks[i].lower().removeprefix('typing.'), [], i + 1
     if i < len(toks) and toks[i] == '[':
         i += 1
         while True:
-            if i < len(toks) and toks[i] == '...': i += 1
-            else: s, o, i = _py_parse(toks, i); args.append((s, o))
-            if i < len(toks) and toks[i] == ',': i += 1; continue
-            if i < len(toks) and toks[i] == ']': i += 1; break
+            if i < len(toks) and toks[i] == '...':
+                i += 1
+            else:
+                s, o, i = _py_parse(toks, i)
+                args.append((s, o))
+            if i < len(toks) and toks[i] == ',':
+                i += 1
+                continue
+            if i < len(toks) and toks[i] == ']':
+                i += 1
+                break
             raise Reject('xlam parameter type does not parse')
     return (*_py_schema(name, args), i)
 
 # %% ../nbs/12_agent_adapters.ipynb #b87ca8b5
-def _py_schema(name:str, args:list)->tuple:
+def _py_schema(name: str, args: list) -> tuple:
     "`(schema, optional)` for type `name` applied to parsed `args`"
-    if name in _PY_SCALARS and not args: return {'type': _PY_SCALARS[name]}, False
-    if name == 'any' and not args: return {}, False
-    if name in _PY_ARRAYS: return ({'type': 'array', 'items': args[0][0]} if len(args) == 1 else {'type': 'array'}), False
-    if name in _PY_OBJECTS: return {'type': 'object'}, False
-    if name == 'optional' and len(args) == 1: return args[0][0], True
+    if name in _PY_SCALARS and not args:
+        return {'type': _PY_SCALARS[name]}, False
+    if name == 'any' and not args:
+        return {}, False
+    if name in _PY_ARRAYS:
+        return ({'type': 'array', 'items': args[0][0]} if len(args) == 1 else {'type': 'array'}), False
+    if name in _PY_OBJECTS:
+        return {'type': 'object'}, False
+    if name == 'optional' and len(args) == 1:
+        return args[0][0], True
     if name == 'union' and args:
         alts = [s for s, _ in args if s != {'type': 'null'}]
         return ({'anyOf': alts} if len(alts) > 1 else alts[0] if alts else {'type': 'null'}), len(alts) < len(args)
     raise Reject('xlam parameter type has no JSON Schema equivalent')
 
 # %% ../nbs/12_agent_adapters.ipynb #a047a4e0
-def _py_type(t:str)->tuple:
+def _py_type(t: str) -> tuple:
     "`(JSON schema, optional)` of an xLAM parameter type such as `List[int]` or `str, optional`"
     t, opt = re.subn(r',\s*optional\s*$', '', t, flags=re.I)
     toks = _py_tokens(t)
-    try: s, o, i = _py_parse(toks, 0)
-    except RecursionError: raise Reject('xlam parameter type does not parse') from None
-    if i != len(toks): raise Reject('xlam parameter type does not parse')
+    try:
+        s, o, i = _py_parse(toks, 0)
+    except RecursionError:
+        raise Reject('xlam parameter type does not parse') from None
+    if i != len(toks):
+        raise Reject('xlam parameter type does not parse')
     return s, bool(opt) or o
 
 # %% ../nbs/12_agent_adapters.ipynb #51bc4088
-def _xlam_tool(t)->dict:
+def _xlam_tool(t) -> dict:
     "OpenAI function spec from an xLAM tool `{name, description, parameters: {arg: {type, description, default}}}`"
-    if not isinstance(t, dict) or not isinstance(t.get('name'), str): raise Reject('xlam tool without a name')
+    if not isinstance(t, dict) or not isinstance(t.get('name'), str):
+        raise Reject('xlam tool without a name')
     params = t.get('parameters') if t.get('parameters') is not None else {}
-    if not isinstance(params, dict): raise Reject('xlam tool parameters are not an object')
+    if not isinstance(params, dict):
+        raise Reject('xlam tool parameters are not an object')
     props, required = {}, []
     for arg, p in params.items():
-        if not isinstance(p, dict) or not isinstance(p.get('type'), str): raise Reject('xlam parameter without a type')
+        if not isinstance(p, dict) or not isinstance(p.get('type'), str):
+            raise Reject('xlam parameter without a type')
         s, optional = _py_type(p['type'])
         props[arg] = {**s, **{k: p[k] for k in ('description', 'default') if k in p}}
-        if not optional: required.append(arg)
-    fn = dict(name=t['name'], description=_opt_str(t.get('description'), 'xlam tool description') or '',
-              parameters=dict(type='object', properties=props, required=required))
+        if not optional:
+            required.append(arg)
+    fn = dict(
+        name=t['name'],
+        description=_opt_str(t.get('description'), 'xlam tool description') or '',
+        parameters=dict(type='object', properties=props, required=required),
+    )
     return dict(type='function', function=fn)
 
 # %% ../nbs/12_agent_adapters.ipynb #1b99d29b
-def _json_list(v, what:str)->list:
+def _json_list(v, what: str) -> list:
     "A list given as itself or as JSON text"
     if isinstance(v, str):
-        try: v = json.loads(v)
-        except (ValueError, RecursionError): raise Reject(f'{what} is not valid JSON') from None
-    if not isinstance(v, list): raise Reject(f'{what} is not a list')
+        try:
+            v = json.loads(v)
+        except (ValueError, RecursionError):
+            raise Reject(f'{what} is not valid JSON') from None
+    if not isinstance(v, list):
+        raise Reject(f'{what} is not a list')
     return v
 
 # %% ../nbs/12_agent_adapters.ipynb #9dc9bd45
 @adapter('xlam')
-def xlam(rec:dict, dataset:str, index:int, kind:str='full')->dict:
+def xlam(rec: dict, dataset: str, index: int, kind: str = 'full') -> dict:
     "xlam-function-calling-60k row -> user query, assistant tool calls (no results)"
     tools = [_xlam_tool(t) for t in _json_list(_record(rec).get('tools'), 'tools')]
     calls = [_text_call(a) for a in _json_list(rec.get('answers'), 'answers')]
-    if not calls: raise Reject('xlam record without answers')
+    if not calls:
+        raise Reject('xlam record without answers')
     offered = {t['function']['name'] for t in tools}
-    if any(c['function']['name'] not in offered for c in calls): raise Reject('xlam answer calls a tool that is not offered')
+    if any(c['function']['name'] not in offered for c in calls):
+        raise Reject('xlam answer calls a tool that is not offered')
     ms = [message('user', _field(rec, 'query', str)), message('assistant', '', tool_calls=calls)]
     return conversation(dataset, index, ms, source_key=_key(rec.get('id')), kind=kind, tools=tools)
 
 # %% ../nbs/12_agent_adapters.ipynb #e3a7d02f
-def _glaive_system(system:str)->tuple:
+def _glaive_system(system: str) -> tuple:
     "`(system text, tool specs)` from glaive's raw system prompt"
     s = system.strip().removeprefix('SYSTEM:').strip()
     i, tools, dec = s.find('{'), [], json.JSONDecoder()
-    if i < 0: return s, []
+    if i < 0:
+        return s, []
     text, rest = s[:i].strip(), s[i:]
     while rest:
-        try: f, end = dec.raw_decode(rest)
-        except (ValueError, RecursionError): raise Reject('glaive functions do not parse') from None
+        try:
+            f, end = dec.raw_decode(rest)
+        except (ValueError, RecursionError):
+            raise Reject('glaive functions do not parse') from None
         tools += [tool_spec(o) for o in (f if isinstance(f, list) else [f])]
         rest = rest[end:].lstrip()
     return text, tools
@@ -301,42 +398,55 @@ def _glaive_system(system:str)->tuple:
 # %% ../nbs/12_agent_adapters.ipynb #bbe30237
 _GLAIVE_CALL = re.compile(r'''\A\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*'(.*)'\s*\}\Z''', re.S)
 
-def _glaive_call(s:str)->dict:
+
+def _glaive_call(s: str) -> dict:
     "Tool call from glaive's `{\"name\": ..., \"arguments\": '<json>'}`"
-    try: return _text_call(json.loads(s))
+    try:
+        return _text_call(json.loads(s))
     except (ValueError, RecursionError) as e:
-        if isinstance(e, Reject): raise
+        if isinstance(e, Reject):
+            raise
     m = _GLAIVE_CALL.match(s.strip())
-    if not m: raise Reject('glaive functioncall does not parse')
-    try: name = json.loads(m[1])
-    except ValueError: raise Reject('glaive functioncall does not parse') from None
+    if not m:
+        raise Reject('glaive functioncall does not parse')
+    try:
+        name = json.loads(m[1])
+    except ValueError:
+        raise Reject('glaive functioncall does not parse') from None
     return _call(name, m[2])
 
 # %% ../nbs/12_agent_adapters.ipynb #aeb8f71d
 _GLAIVE_TURN = re.compile(r'(?:\A\s*|\n\n\n)(USER|ASSISTANT|FUNCTION RESPONSE):')
 _EOT = '<|endoftext|>'
 
-def _glaive_assistant(text:str)->dict:
+
+def _glaive_assistant(text: str) -> dict:
     "Canonical assistant message from one glaive `ASSISTANT:` turn"
     text = text.strip().removesuffix(_EOT).rstrip()
-    if _EOT in text: raise Reject('<|endoftext|> inside a glaive turn')
-    if '<functioncall>' not in text: return message('assistant', text)
+    if _EOT in text:
+        raise Reject('<|endoftext|> inside a glaive turn')
+    if '<functioncall>' not in text:
+        return message('assistant', text)
     pre, call = text.split('<functioncall>', 1)
-    if '<functioncall>' in call: raise Reject('several <functioncall> in one glaive turn')
+    if '<functioncall>' in call:
+        raise Reject('several <functioncall> in one glaive turn')
     return message('assistant', pre.strip(), tool_calls=[_glaive_call(call)])
 
 # %% ../nbs/12_agent_adapters.ipynb #a429cb0b
-def _glaive_messages(chat:str)->list:
+def _glaive_messages(chat: str) -> list:
     "Canonical messages from glaive's raw `chat` text"
     parts = _GLAIVE_TURN.split(chat)
-    if parts[0].strip(): raise Reject('glaive chat does not start with a turn marker')
+    if parts[0].strip():
+        raise Reject('glaive chat does not start with a turn marker')
     roles = {'USER': 'user', 'FUNCTION RESPONSE': 'tool'}
-    return [_glaive_assistant(t) if who == 'ASSISTANT' else message(roles[who], t.strip())
-            for who, t in zip(parts[1::2], parts[2::2])]
+    return [
+        _glaive_assistant(t) if who == 'ASSISTANT' else message(roles[who], t.strip())
+        for who, t in zip(parts[1::2], parts[2::2])
+    ]
 
 # %% ../nbs/12_agent_adapters.ipynb #1a24cba3
 @adapter('glaive')
-def glaive(rec:dict, dataset:str, index:int, kind:str='full')->dict:
+def glaive(rec: dict, dataset: str, index: int, kind: str = 'full') -> dict:
     "glaive-function-calling-v2 raw row (`system`, `chat` text) -> conversation"
     text, tools = _glaive_system(_field(rec, 'system', str, required=False) or '')
     ms = [message('system', text)] + _glaive_messages(_field(rec, 'chat', str))
@@ -345,80 +455,105 @@ def glaive(rec:dict, dataset:str, index:int, kind:str='full')->dict:
 # %% ../nbs/12_agent_adapters.ipynb #835c41a6
 _TOOLS_BLOCK = re.compile(r'<tools>(.*?)</tools>', re.S)
 
-def _hermes_system_tools(value:str)->list:
+
+def _hermes_system_tools(value: str) -> list:
     "Tool specs from the `<tools>...</tools>` block of a Hermes system prompt"
     blocks = _TOOLS_BLOCK.findall(value)
-    if not blocks: raise Reject('unclosed <tools> block')
+    if not blocks:
+        raise Reject('unclosed <tools> block')
     blocks = [b for b in blocks if b.strip()]  # the protocol text itself mentions an empty "<tools> </tools>"
-    if len(blocks) > 1: raise Reject('several <tools> blocks')
+    if len(blocks) > 1:
+        raise Reject('several <tools> blocks')
     v = _literal(blocks[0].strip(), 'tools block') if blocks else []
     return [tool_spec(t) for t in (v if isinstance(v, list) else [v])]
 
 # %% ../nbs/12_agent_adapters.ipynb #71fb5b77
 _CALL_BLOCK = re.compile(r'<tool_call>(.*?)</tool_call>', re.S)
 
-def _hermes_gpt(value:str, need_think:bool=False)->tuple:
+
+def _hermes_gpt(value: str, need_think: bool = False) -> tuple:
     "`(reasoning, content, calls)` of a Hermes `gpt` turn"
     reasoning, rest = split_think(value)
-    if need_think and reasoning is None: raise Reject('native trace turn without a <think> block')
+    if need_think and reasoning is None:
+        raise Reject('native trace turn without a <think> block')
     i = rest.find('<tool_call>')
     if i < 0:
-        if '</tool_call>' in rest: raise Reject('unclosed <tool_call> block')
+        if '</tool_call>' in rest:
+            raise Reject('unclosed <tool_call> block')
         return reasoning, rest, []
     content, tail = rest[:i].strip(), rest[i:]
     blocks = _CALL_BLOCK.findall(tail)
-    if tail.count('<tool_call>') != len(blocks) or tail.count('</tool_call>') != len(blocks): raise Reject('unclosed <tool_call> block')
-    if _CALL_BLOCK.sub('', tail).strip(): raise Reject('text after <tool_call> blocks')
+    if tail.count('<tool_call>') != len(blocks) or tail.count('</tool_call>') != len(blocks):
+        raise Reject('unclosed <tool_call> block')
+    if _CALL_BLOCK.sub('', tail).strip():
+        raise Reject('text after <tool_call> blocks')
     return reasoning, content, [_text_call(_literal(b.strip(), 'tool call')) for b in blocks]
 
 # %% ../nbs/12_agent_adapters.ipynb #863999af
 _RESP_BLOCK = re.compile(r'<tool_response>(.*?)</tool_response>', re.S)
 
-def _hermes_results(value:str)->list:
+
+def _hermes_results(value: str) -> list:
     "`(name or None, content)` of each result in a Hermes `tool` turn"
     blocks = _RESP_BLOCK.findall(value)
     if value.count('<tool_response>') != len(blocks) or value.count('</tool_response>') != len(blocks):
         raise Reject('unclosed <tool_response> block')
     out = []
     for b in blocks or [value]:
-        try: d = _literal(b.strip(), 'tool response')
-        except Reject: d = None
+        try:
+            d = _literal(b.strip(), 'tool response')
+        except Reject:
+            d = None
         if isinstance(d, dict) and 'content' in d and isinstance(d.get('name'), (str, type(None))):
-            out.append((d.get('name'), d['content'] if isinstance(d['content'], str) else json.dumps(d['content'], ensure_ascii=False)))
-        else: out.append((None, b.strip()))
+            out.append(
+                (
+                    d.get('name'),
+                    d['content'] if isinstance(d['content'], str) else json.dumps(d['content'], ensure_ascii=False),
+                )
+            )
+        else:
+            out.append((None, b.strip()))
     return out
 
 # %% ../nbs/12_agent_adapters.ipynb #ada39e74
-def _hermes_link(name, content:str, pending:list)->dict:
+def _hermes_link(name, content: str, pending: list) -> dict:
     "Tool message for one result, linked to (and removed from) the `pending` call it answers"
     call = next((c for c in pending if name in (None, c['function']['name'])), None)
-    if call is None: raise Reject('tool response with no matching tool call')
+    if call is None:
+        raise Reject('tool response with no matching tool call')
     pending.remove(call)
     return message('tool', content, tool_call_id=call['id'], name=name)
 
 # %% ../nbs/12_agent_adapters.ipynb #6bc37999
 _SHAREGPT_ROLES = dict(system='system', human='user', user='user', gpt='assistant', assistant='assistant', tool='tool')
 
-def _hermes_turn(role:str, value:str, pending:list, n:int, need_think:bool)->list:
+
+def _hermes_turn(role: str, value: str, pending: list, n: int, need_think: bool) -> list:
     "Canonical messages of one Hermes turn; updates `pending` (unanswered calls) in place"
     if role == 'assistant':
         r, c, calls = _hermes_gpt(value, need_think)
-        for k, call in enumerate(calls): call['id'] = f'h{n+k}'
+        for k, call in enumerate(calls):
+            call['id'] = f'h{n + k}'
         pending[:] = calls
         return [message('assistant', c, r, calls)]
-    if role == 'tool': return [_hermes_link(name, content, pending) for name, content in _hermes_results(value)]
-    if role == 'user': pending.clear()
+    if role == 'tool':
+        return [_hermes_link(name, content, pending) for name, content in _hermes_results(value)]
+    if role == 'user':
+        pending.clear()
     return [message(role, value)]
 
 # %% ../nbs/12_agent_adapters.ipynb #1f5c3571
-def _hermes_messages(conv:list, need_think:bool)->tuple:
+def _hermes_messages(conv: list, need_think: bool) -> tuple:
     "`(messages, tools from the system prompt or None)` of a Hermes `conversations` list"
     ms, sys_tools, pending = [], None, []
     for t in _dicts(conv, 'conversations'):
         role = _SHAREGPT_ROLES.get(t.get('from')) if isinstance(t.get('from'), str) else None
-        if role is None: raise Reject('unknown ShareGPT role')
+        if role is None:
+            raise Reject('unknown ShareGPT role')
         value = _opt_str(t.get('value'), f'{role} value') or ''
-        if role == 'system' and '<tools>' in value: sys_tools = _hermes_system_tools(value); continue
+        if role == 'system' and '<tools>' in value:
+            sys_tools = _hermes_system_tools(value)
+            continue
         ms += _hermes_turn(role, value, pending, sum(len(m['tool_calls'] or []) for m in ms), need_think)
     return ms, sys_tools
 
@@ -428,17 +563,26 @@ def _hermes(rec, dataset, index, kind, need_think):
     ms, sys_tools = _hermes_messages(_field(rec, 'conversations', list), need_think)
     tools = _tool_list(rec.get('tools'))
     meta = _meta(rec, ('category', 'subcategory', 'task', 'model', 'completed'))
-    if sys_tools is not None: meta['system_prompt_dropped'] = True
-    return conversation(dataset, index, ms, source_key=_key(rec.get('id')), kind=kind,
-                        tools=tools if tools is not None else sys_tools, meta=meta)
+    if sys_tools is not None:
+        meta['system_prompt_dropped'] = True
+    return conversation(
+        dataset,
+        index,
+        ms,
+        source_key=_key(rec.get('id')),
+        kind=kind,
+        tools=tools if tools is not None else sys_tools,
+        meta=meta,
+    )
 
 # %% ../nbs/12_agent_adapters.ipynb #6b4c519e
 @adapter('hermes')
-def hermes(rec:dict, dataset:str, index:int, kind:str='full')->dict:
+def hermes(rec: dict, dataset: str, index: int, kind: str = 'full') -> dict:
     "Hermes function-calling ShareGPT row (`<tool_call>` / `<tool_response>` XML) -> conversation"
     return _hermes(rec, dataset, index, kind, need_think=False)
 
+
 @adapter('hermes_kimi_traces', kind='native')
-def hermes_kimi_traces(rec:dict, dataset:str, index:int, kind:str='native')->dict:
+def hermes_kimi_traces(rec: dict, dataset: str, index: int, kind: str = 'native') -> dict:
     "Kimi-K2.5 Hermes-agent trace (lambda/hermes-agent-reasoning-traces, config kimi) -> native conversation"
     return _hermes(rec, dataset, index, kind, need_think=True)

@@ -18,28 +18,36 @@ import pandas as pd
 import pyarrow as pa
 
 # %% ../nbs/01_catalog.ipynb #d280f806
-SCHEMA_VERSION = 1   # bump with a migration in `_ensure_schema` when a table changes
+SCHEMA_VERSION = 1  # bump with a migration in `_ensure_schema` when a table changes
 LOCK_TIMEOUT = 60.0  # seconds a call waits for another process's lock before `CatalogLocked`
 
-def catalog_path(data_root)->Path: # <data_root>/data_catalog/catalog.duckdb
+
+def catalog_path(data_root) -> Path:  # <data_root>/data_catalog/catalog.duckdb
     "The catalog file of a data root"
-    return Path(data_root)/'data_catalog'/'catalog.duckdb'
+    return Path(data_root) / 'data_catalog' / 'catalog.duckdb'
 
 # %% ../nbs/01_catalog.ipynb #9be196a5
 _LOCK_RE = re.compile(r'Conflicting lock is held in (.*?) \(PID (\d+)\)')
-_WHAT = [('ipykernel', 'a Jupyter kernel (a JupyterLab notebook, or the kernel of a papermill run)'),
-         ('papermill', 'a papermill run'), ('pytest', 'a pytest run'), ('eagle3nb', 'an eagle3nb command')]
+_WHAT = [
+    ('ipykernel', 'a Jupyter kernel (a JupyterLab notebook, or the kernel of a papermill run)'),
+    ('papermill', 'a papermill run'),
+    ('pytest', 'a pytest run'),
+    ('eagle3nb', 'an eagle3nb command'),
+]
 
-def lock_holder(msg:str)->int|None: # PID, or None when `msg` is not a lock conflict
+
+def lock_holder(msg: str) -> int | None:  # PID, or None when `msg` is not a lock conflict
     "The PID in DuckDB's lock-conflict message"
     m = _LOCK_RE.search(msg)
     return int(m[2]) if m else None
 
 # %% ../nbs/01_catalog.ipynb #90cbc04d
-def describe_pid(pid:int)->str:
+def describe_pid(pid: int) -> str:
     "What process `pid` is, from its /proc command line"
-    try: argv = Path(f'/proc/{pid}/cmdline').read_bytes().split(b'\0')
-    except OSError: return f'PID {pid} (not visible from here: another container or host?)'
+    try:
+        argv = Path(f'/proc/{pid}/cmdline').read_bytes().split(b'\0')
+    except OSError:
+        return f'PID {pid} (not visible from here: another container or host?)'
     cmd = ' '.join(a.decode(errors='replace') for a in argv if a)
     what = next((w for k, w in _WHAT if k in cmd), 'a process')
     return f'PID {pid}, {what}: {cmd[:200]}'
@@ -47,53 +55,82 @@ def describe_pid(pid:int)->str:
 # %% ../nbs/01_catalog.ipynb #db26f105
 class CatalogLocked(RuntimeError):
     "Another process holds the catalog's DuckDB lock for longer than we waited"
-    def __init__(self, path, pid:int|None, read_only:bool, waited:float, holder_read_only:bool=False):
+
+    def __init__(self, path, pid: int | None, read_only: bool, waited: float, holder_read_only: bool = False):
         self.path, self.pid = Path(path), pid
         who = describe_pid(pid) if pid else 'another connection'
-        why = ('it holds a read-only connection, which blocks writers' if holder_read_only else
-               'it holds a read-write connection, and DuckDB then refuses every other process, read-only ones included')
+        why = (
+            'it holds a read-only connection, which blocks writers'
+            if holder_read_only
+            else 'it holds a read-write connection, and DuckDB then refuses every other process, read-only ones included'
+        )
         super().__init__(
             f"catalog {path} is locked by {who}. Waited {waited:.1f} s for a {'read-only' if read_only else 'read-write'} "
             f"connection; {why}. Close that notebook's connection (con.close()) or restart its kernel, then rerun. "
             "eagle3nb opens connections only for the duration of a call; in a notebook, keep catalog.snapshot(path) "
-            "(an in-memory copy) open instead of a connection to the file.")
+            "(an in-memory copy) open instead of a connection to the file."
+        )
 
 # %% ../nbs/01_catalog.ipynb #91936f65
 class CatalogUnreadable(ValueError):
     "A `catalog:` path that holds no DuckDB database: a folder, or a file of another kind"
 
-def _unreadable(path:Path, e=None)->CatalogUnreadable:
+
+def _unreadable(path: Path, e=None) -> CatalogUnreadable:
     "The one line for a catalog path DuckDB cannot open: which file, why, and what to do (the file is kept)"
-    if path.is_dir(): why = 'is a folder, not a DuckDB file'
+    if path.is_dir():
+        why = 'is a folder, not a DuckDB file'
     elif e is None or 'not a valid DuckDB' in str(e):
         why = 'is not a DuckDB database (a file of another kind, or a damaged one)'
-    else: why = f"cannot be opened ({str(e).splitlines()[0]})"
-    return CatalogUnreadable(f"catalog {path} {why}: point the recipe's `catalog:` at the catalog file eagle3nb made, "
-                             "or at a new file path (it is created); what is there is left as it is")
+    else:
+        why = f"cannot be opened ({str(e).splitlines()[0]})"
+    return CatalogUnreadable(
+        f"catalog {path} {why}: point the recipe's `catalog:` at the catalog file eagle3nb made, "
+        "or at a new file path (it is created); what is there is left as it is"
+    )
 
-def _open(path:Path, read_only:bool, timeout:float):
+
+def _open(path: Path, read_only: bool, timeout: float):
     "duckdb.connect, retried while another process holds a conflicting lock"
     t0, pause = time.monotonic(), 0.05
-    if path.is_dir(): raise _unreadable(path)
+    if path.is_dir():
+        raise _unreadable(path)
     while True:
-        try: return duckdb.connect(str(path), read_only=read_only)
+        try:
+            return duckdb.connect(str(path), read_only=read_only)
         except duckdb.ConnectionException as e:
-            if 'different configuration' not in str(e): raise
-            if read_only: return duckdb.connect(str(path))  # this process has it read-write: share that instance
+            if 'different configuration' not in str(e):
+                raise
+            if read_only:
+                return duckdb.connect(str(path))  # this process has it read-write: share that instance
             raise CatalogLocked(path, os.getpid(), False, 0, holder_read_only=True) from e
         except duckdb.IOException as e:
-            if 'Could not set lock' not in str(e): raise _unreadable(path, e) from None
+            if 'Could not set lock' not in str(e):
+                raise _unreadable(path, e) from None
             waited = time.monotonic() - t0
-            if waited >= timeout: raise CatalogLocked(path, lock_holder(str(e)), read_only, waited, 'read-only mode' in str(e)) from e
-            time.sleep(min(pause, timeout - waited)); pause = min(2*pause, 1.0)
+            if waited >= timeout:
+                raise CatalogLocked(path, lock_holder(str(e)), read_only, waited, 'read-only mode' in str(e)) from e
+            time.sleep(min(pause, timeout - waited))
+            pause = min(2 * pause, 1.0)
 
 # %% ../nbs/01_catalog.ipynb #bcabc0d2
-SAMPLE_COLUMNS = dict(sample_id='VARCHAR PRIMARY KEY', conversation_id='VARCHAR', dataset='VARCHAR NOT NULL',
-    kind='VARCHAR', n_turns='INTEGER', n_events='INTEGER', prompt_tokens='INTEGER', completion_tokens='INTEGER',
-    total_tokens='INTEGER', has_think='BOOLEAN', has_tools='BOOLEAN',
-    partition="VARCHAR CHECK (partition IN ('main', 'long', 'excluded'))", exclusion_reason='VARCHAR')
+SAMPLE_COLUMNS = dict(
+    sample_id='VARCHAR PRIMARY KEY',
+    conversation_id='VARCHAR',
+    dataset='VARCHAR NOT NULL',
+    kind='VARCHAR',
+    n_turns='INTEGER',
+    n_events='INTEGER',
+    prompt_tokens='INTEGER',
+    completion_tokens='INTEGER',
+    total_tokens='INTEGER',
+    has_think='BOOLEAN',
+    has_tools='BOOLEAN',
+    partition="VARCHAR CHECK (partition IN ('main', 'long', 'excluded'))",
+    exclusion_reason='VARCHAR',
+)
 STATES = ('pending', 'running', 'done', 'failed', 'skipped')  # a sample's state in one phase
-RUN_STATUSES = ('running', 'ok', 'failed', 'interrupted')                     # a phase run's status
+RUN_STATUSES = ('running', 'ok', 'failed', 'interrupted')  # a phase run's status
 
 _DDL = [
     "CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR)",
@@ -105,103 +142,159 @@ _DDL = [
     "CREATE TABLE IF NOT EXISTS partitions (partition VARCHAR PRIMARY KEY, ctx INTEGER, concurrency INTEGER, "
     "samples BIGINT, tokens BIGINT, params JSON, updated TIMESTAMPTZ)",
     "CREATE TABLE IF NOT EXISTS runs (run_id VARCHAR, phase VARCHAR, recipe VARCHAR, status VARCHAR, "
-    "started TIMESTAMPTZ, finished TIMESTAMPTZ, params JSON, PRIMARY KEY (run_id, phase))"]
+    "started TIMESTAMPTZ, finished TIMESTAMPTZ, params JSON, PRIMARY KEY (run_id, phase))",
+]
 TABLES = ('meta', 'datasets', 'samples', 'sample_state', 'partitions', 'runs')
 
 # %% ../nbs/01_catalog.ipynb #feaf48b4
 def _check_version(con, path):
     "Refuse a catalog that is not ours or is newer than this code"
-    try: v = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchall()  # fetchall: duckdb 2 refuses
-    except duckdb.CatalogException: v = []                                               # new work while a result is unread
-    if not v: raise ValueError(f"{path} is not an eagle3nb catalog (no meta.schema_version)")
+    try:
+        v = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchall()  # fetchall: duckdb 2 refuses
+    except duckdb.CatalogException:
+        v = []  # new work while a result is unread
+    if not v:
+        raise ValueError(f"{path} is not an eagle3nb catalog (no meta.schema_version)")
     if int(v[0][0]) > SCHEMA_VERSION:
-        raise ValueError(f"{path} has catalog schema {v[0][0]}, newer than this eagle3nb's {SCHEMA_VERSION}; upgrade eagle3nb")
+        raise ValueError(
+            f"{path} has catalog schema {v[0][0]}, newer than this eagle3nb's {SCHEMA_VERSION}; upgrade eagle3nb"
+        )
+
 
 def _ensure_schema(con, path):
     "Create missing tables and record the schema version"
-    for ddl in _DDL: con.execute(ddl)
-    con.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?), ('created', now()::VARCHAR)", [str(SCHEMA_VERSION)])
+    for ddl in _DDL:
+        con.execute(ddl)
+    con.execute(
+        "INSERT OR IGNORE INTO meta VALUES ('schema_version', ?), ('created', now()::VARCHAR)", [str(SCHEMA_VERSION)]
+    )
     _check_version(con, path)
 
 # %% ../nbs/01_catalog.ipynb #ac778383
 @contextmanager
-def connect(path,                  # catalog file (see `catalog_path`)
-            read_only:bool=False,  # readers: True
-            timeout:float=None,    # seconds to wait for another process's lock; default `LOCK_TIMEOUT`
-           ):
+def connect(
+    path,  # catalog file (see `catalog_path`)
+    read_only: bool = False,  # readers: True
+    timeout: float = None,  # seconds to wait for another process's lock; default `LOCK_TIMEOUT`
+):
     "A short-lived connection to the catalog: waits out other processes' locks, closes on exit"
     path = Path(path)
-    if read_only and not path.exists(): raise FileNotFoundError(f"no catalog at {path}; the catalog phase creates it")
-    if not read_only: path.parent.mkdir(parents=True, exist_ok=True)
+    if read_only and not path.exists():
+        raise FileNotFoundError(f"no catalog at {path}; the catalog phase creates it")
+    if not read_only:
+        path.parent.mkdir(parents=True, exist_ok=True)
     con = _open(path, read_only, LOCK_TIMEOUT if timeout is None else timeout)
     try:
-        if read_only: _check_version(con, path); yield con; return
+        if read_only:
+            _check_version(con, path)
+            yield con
+            return
         _ensure_schema(con, path)  # committed on its own: a failed first write still leaves a valid, empty catalog
         con.begin()
         yield con
         con.commit()
     except BaseException:
         if not read_only:
-            try: con.rollback()
-            except duckdb.Error: pass  # no transaction left to roll back
+            try:
+                con.rollback()
+            except duckdb.Error:
+                pass  # no transaction left to roll back
         raise
-    finally: con.close()
+    finally:
+        con.close()
 
 # %% ../nbs/01_catalog.ipynb #b513790f
-def record_dataset(path, name:str, format:str=None, source:str=None,
-                   manifest:dict=None, # prepare's manifest: source, params.format, read, kept, rejected, kinds
-                   timeout:float=None):
+def record_dataset(
+    path,
+    name: str,
+    format: str = None,
+    source: str = None,
+    manifest: dict = None,  # prepare's manifest: source, params.format, read, kept, rejected, kinds
+    timeout: float = None,
+):
     "Insert or replace one row of `datasets`"
     m = manifest or {}
-    row = [name, format or m.get('params', {}).get('format'), source or m.get('source'), m.get('read'), m.get('kept'),
-           m.get('rejected'), json.dumps(m['kinds']) if 'kinds' in m else None, json.dumps(manifest) if manifest else None]
+    row = [
+        name,
+        format or m.get('params', {}).get('format'),
+        source or m.get('source'),
+        m.get('read'),
+        m.get('kept'),
+        m.get('rejected'),
+        json.dumps(m['kinds']) if 'kinds' in m else None,
+        json.dumps(manifest) if manifest else None,
+    ]
     with connect(path, timeout=timeout) as con:
         con.execute('INSERT OR REPLACE INTO datasets VALUES (?, ?, ?, ?, ?, ?, ?, ?, now())', row)
 
 # %% ../nbs/01_catalog.ipynb #72467977
-def _arrow(rows)->pa.Table:
+def _arrow(rows) -> pa.Table:
     "A pyarrow Table from an Arrow table, a pandas DataFrame or a list of dicts"
-    if isinstance(rows, pa.Table): return rows
-    if isinstance(rows, pd.DataFrame): return pa.Table.from_pandas(rows, preserve_index=False)
+    if isinstance(rows, pa.Table):
+        return rows
+    if isinstance(rows, pd.DataFrame):
+        return pa.Table.from_pandas(rows, preserve_index=False)
     return pa.Table.from_pylist(list(rows))
 
-def _check_columns(t:pa.Table):
+
+def _check_columns(t: pa.Table):
     "Unknown or missing sample columns, named"
     unknown = [c for c in t.column_names if c not in SAMPLE_COLUMNS]
-    if unknown: raise ValueError(f"unknown sample columns {unknown}; the samples table has {list(SAMPLE_COLUMNS)}")
+    if unknown:
+        raise ValueError(f"unknown sample columns {unknown}; the samples table has {list(SAMPLE_COLUMNS)}")
     missing = [c for c in ('sample_id', 'dataset') if c not in t.column_names]
-    if missing: raise ValueError(f"sample rows need {missing}")
+    if missing:
+        raise ValueError(f"sample rows need {missing}")
 
 # %% ../nbs/01_catalog.ipynb #444aef46
 _MOVES = ('kind', 'prompt_tokens', 'completion_tokens', 'total_tokens')  # a change here may move a sample's partition
 
-def _upsert_sql(cols:list)->str:
+
+def _upsert_sql(cols: list) -> str:
     "INSERT ... ON CONFLICT DO UPDATE of `cols` from `_rows`, deriving total_tokens and clearing moved partitions"
     new = lambda c: f'excluded.{c}' if c in cols else c  # inside DO UPDATE a bare name is the stored value
-    ins, sel, after = list(cols), list(cols), {c: f'excluded.{c}' for c in cols if c != 'sample_id'}  # value after update
+    ins, sel, after = (
+        list(cols),
+        list(cols),
+        {c: f'excluded.{c}' for c in cols if c != 'sample_id'},
+    )  # value after update
     if 'total_tokens' not in cols and {'prompt_tokens', 'completion_tokens'} & set(cols):
         have = lambda c: c if c in cols else 'NULL'
-        ins.append('total_tokens'); sel.append(f"{have('prompt_tokens')} + coalesce({have('completion_tokens')}, 0)")
+        ins.append('total_tokens')
+        sel.append(f"{have('prompt_tokens')} + coalesce({have('completion_tokens')}, 0)")
         after['total_tokens'] = f"{new('prompt_tokens')} + coalesce({new('completion_tokens')}, 0)"
     sets = [f'{c} = {v}' for c, v in after.items()]
     moved = ' OR '.join(f'{c} IS DISTINCT FROM {after[c]}' for c in _MOVES if c in after) or 'false'
-    if 'partition' not in cols: sets += [f'{c} = CASE WHEN {moved} THEN NULL ELSE {c} END' for c in ('partition', 'exclusion_reason')]
-    return (f"INSERT INTO samples ({', '.join(ins)}) SELECT {', '.join(sel)} FROM _rows "
-            f"ON CONFLICT (sample_id) DO UPDATE SET {', '.join(sets)}")
+    if 'partition' not in cols:
+        sets += [f'{c} = CASE WHEN {moved} THEN NULL ELSE {c} END' for c in ('partition', 'exclusion_reason')]
+    return (
+        f"INSERT INTO samples ({', '.join(ins)}) SELECT {', '.join(sel)} FROM _rows "
+        f"ON CONFLICT (sample_id) DO UPDATE SET {', '.join(sets)}"
+    )
 
 # %% ../nbs/01_catalog.ipynb #bb9253c4
-def upsert_samples(path, rows, # pyarrow Table, pandas DataFrame or list of dicts; columns from `SAMPLE_COLUMNS`
-                   ignore_extra:bool=False, # drop columns the table lacks (e.g. render's input_ids) instead of failing
-                   timeout:float=None)->int: # rows written
+def upsert_samples(
+    path,
+    rows,  # pyarrow Table, pandas DataFrame or list of dicts; columns from `SAMPLE_COLUMNS`
+    ignore_extra: bool = False,  # drop columns the table lacks (e.g. render's input_ids) instead of failing
+    timeout: float = None,
+) -> int:  # rows written
     "Insert samples, or update the given columns of existing ones, by `sample_id`, in one transaction"
     t = _arrow(rows)
-    if t.num_rows == 0: return 0
-    if ignore_extra: t = t.select([c for c in t.column_names if c in SAMPLE_COLUMNS])
+    if t.num_rows == 0:
+        return 0
+    if ignore_extra:
+        t = t.select([c for c in t.column_names if c in SAMPLE_COLUMNS])
     _check_columns(t)
     with connect(path, timeout=timeout) as con:
         con.register('_rows', t)
-        dup = con.execute('SELECT sample_id, count(*) FROM _rows GROUP BY 1 HAVING count(*) > 1 ORDER BY 1 LIMIT 3').fetchall()
-        if dup: raise ValueError(f"sample_id repeated within one batch: {dup} (sample_id, count); ids must be unique per sample")
+        dup = con.execute(
+            'SELECT sample_id, count(*) FROM _rows GROUP BY 1 HAVING count(*) > 1 ORDER BY 1 LIMIT 3'
+        ).fetchall()
+        if dup:
+            raise ValueError(
+                f"sample_id repeated within one batch: {dup} (sample_id, count); ids must be unique per sample"
+            )
         con.execute(_upsert_sql(t.column_names))
     return t.num_rows
 
@@ -223,160 +316,251 @@ SELECT p.partition, count(s.sample_id)::BIGINT AS samples, coalesce(sum({_BUDGET
 FROM p LEFT JOIN samples s ON s.partition = p.partition
 GROUP BY p.partition, p.ord, p.ctx, p.concurrency ORDER BY p.ord"""
 
+
 def _check_partition_args(max_ctx, max_new_tokens, long_ctx, c_main, c_long):
     "Errors that name the bad parameter"
-    if not 0 < max_ctx <= long_ctx: raise ValueError(f"need 0 < max_ctx <= long_ctx, got max_ctx={max_ctx}, long_ctx={long_ctx}")
-    if max_new_tokens < 0: raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if c_main < 1 or c_long < 0: raise ValueError(f"need c_main >= 1 and c_long >= 0, got c_main={c_main}, c_long={c_long}")
+    if not 0 < max_ctx <= long_ctx:
+        raise ValueError(f"need 0 < max_ctx <= long_ctx, got max_ctx={max_ctx}, long_ctx={long_ctx}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if c_main < 1 or c_long < 0:
+        raise ValueError(f"need c_main >= 1 and c_long >= 0, got c_main={c_main}, c_long={c_long}")
 
 # %% ../nbs/01_catalog.ipynb #a4da12bf
-def partition(path,
-              max_ctx:int=10_240,       # main partition's context (tokens): budget <= max_ctx
-              max_new_tokens:int=2_048, # generation budget of a sample the target still answers
-              long_ctx:int=32_768,      # long partition's context: max_ctx < budget <= long_ctx
-              c_main:int=192,           # generation concurrency in main
-              c_long:int=16,            # generation concurrency in long; 0 turns the long partition off
-              generate_kinds=('prompt_only',), # kinds that are generated (budget prompt + max_new_tokens)
-              timeout:float=None,
-             )->pd.DataFrame:           # partition, samples, tokens, ctx, concurrency
+def partition(
+    path,
+    max_ctx: int = 10_240,  # main partition's context (tokens): budget <= max_ctx
+    max_new_tokens: int = 2_048,  # generation budget of a sample the target still answers
+    long_ctx: int = 32_768,  # long partition's context: max_ctx < budget <= long_ctx
+    c_main: int = 192,  # generation concurrency in main
+    c_long: int = 16,  # generation concurrency in long; 0 turns the long partition off
+    generate_kinds=('prompt_only',),  # kinds that are generated (budget prompt + max_new_tokens)
+    timeout: float = None,
+) -> pd.DataFrame:  # partition, samples, tokens, ctx, concurrency
     "Set every sample's partition and exclusion reason in one SQL UPDATE; return the summary"
     _check_partition_args(max_ctx, max_new_tokens, long_ctx, c_main, c_long)
-    args = dict(max_ctx=max_ctx, max_new_tokens=max_new_tokens, long_ctx=long_ctx, c_long=c_long, generate_kinds=list(generate_kinds))
+    args = dict(
+        max_ctx=max_ctx,
+        max_new_tokens=max_new_tokens,
+        long_ctx=long_ctx,
+        c_long=c_long,
+        generate_kinds=list(generate_kinds),
+    )
     with connect(path, timeout=timeout) as con:
         con.execute(_PARTITION_SQL, args)
         summary = con.execute(_SUMMARY_SQL, {**args, 'c_main': c_main}).df()
-        con.register('_summary', summary); con.execute('DELETE FROM partitions')
-        con.execute('INSERT INTO partitions SELECT partition, ctx, concurrency, samples, tokens, ?, now() FROM _summary',
-                    [json.dumps({**args, 'c_main': c_main})])
+        con.register('_summary', summary)
+        con.execute('DELETE FROM partitions')
+        con.execute(
+            'INSERT INTO partitions SELECT partition, ctx, concurrency, samples, tokens, ?, now() FROM _summary',
+            [json.dumps({**args, 'c_main': c_main})],
+        )
     return summary
 
 # %% ../nbs/01_catalog.ipynb #5cde863d
-def repartition(path, timeout:float=None)->pd.DataFrame:
+def repartition(path, timeout: float = None) -> pd.DataFrame:
     "Rerun `partition` with the parameters of its last call"
-    with connect(path, read_only=True, timeout=timeout) as con: p = con.execute('SELECT any_value(params) FROM partitions').fetchall()[0][0]
-    if p is None: raise ValueError(f"{path} was never partitioned; call partition(path, ...) with the recipe's parameters")
+    with connect(path, read_only=True, timeout=timeout) as con:
+        p = con.execute('SELECT any_value(params) FROM partitions').fetchall()[0][0]
+    if p is None:
+        raise ValueError(f"{path} was never partitioned; call partition(path, ...) with the recipe's parameters")
     return partition(path, timeout=timeout, **json.loads(p))
 
 # %% ../nbs/01_catalog.ipynb #f1f6c309
-def set_state(path, sample_ids, # one id or many
-              phase:str,        # e.g. 'generate'
-              state:str,        # one of `STATES`
-              detail=None,      # text, or one text per id (e.g. the error of each failure)
-              timeout:float=None)->int: # rows written
+def set_state(
+    path,
+    sample_ids,  # one id or many
+    phase: str,  # e.g. 'generate'
+    state: str,  # one of `STATES`
+    detail=None,  # text, or one text per id (e.g. the error of each failure)
+    timeout: float = None,
+) -> int:  # rows written
     "Record `state` in `phase` for `sample_ids`"
-    if state not in STATES: raise ValueError(f"state {state!r}: use one of {', '.join(STATES)}")
+    if state not in STATES:
+        raise ValueError(f"state {state!r}: use one of {', '.join(STATES)}")
     ids = [sample_ids] if isinstance(sample_ids, str) else list(sample_ids)
-    details = detail if isinstance(detail, (list, tuple)) else [detail]*len(ids)
+    details = detail if isinstance(detail, (list, tuple)) else [detail] * len(ids)
     t = pa.table(dict(sample_id=pa.array(ids, pa.string()), detail=pa.array(details, pa.string())))
     with connect(path, timeout=timeout) as con:
         con.register('_ids', t)
-        (n, eg), = con.execute('SELECT count(*), min(sample_id) FROM _ids ANTI JOIN samples USING (sample_id)').fetchall()
-        if n: raise KeyError(f"{n} sample ids are not in {path}, e.g. {eg!r}")
-        con.execute("INSERT OR REPLACE INTO sample_state SELECT DISTINCT ON (sample_id) sample_id, ?, ?, now(), detail FROM _ids",
-                    [phase, state])
+        ((n, eg),) = con.execute(
+            'SELECT count(*), min(sample_id) FROM _ids ANTI JOIN samples USING (sample_id)'
+        ).fetchall()
+        if n:
+            raise KeyError(f"{n} sample ids are not in {path}, e.g. {eg!r}")
+        con.execute(
+            "INSERT OR REPLACE INTO sample_state SELECT DISTINCT ON (sample_id) sample_id, ?, ?, now(), detail FROM _ids",
+            [phase, state],
+        )
     return len(ids)
 
 # %% ../nbs/01_catalog.ipynb #a5c7bc1a
-def _ident(name:str)->str:
+def _ident(name: str) -> str:
     "`name` if it is a plain identifier (phase or column names go into SQL text)"
-    if not re.fullmatch(r'[A-Za-z_]\w*', name or ''): raise ValueError(f"{name!r} is not a plain identifier")
+    if not re.fullmatch(r'[A-Za-z_]\w*', name or ''):
+        raise ValueError(f"{name!r} is not a plain identifier")
     return name
 
-def state_counts(path, phase:str,
-                 by:str|None='partition', # also count per this samples column; None: states only
-                 timeout:float=None)->pd.DataFrame:
+
+def state_counts(
+    path,
+    phase: str,
+    by: str | None = 'partition',  # also count per this samples column; None: states only
+    timeout: float = None,
+) -> pd.DataFrame:
     "How many samples are in each state of `phase`"
     g = f's.{_ident(by)}, ' if by else ''
-    sql = (f"SELECT {g}coalesce(st.state, 'pending') AS state, count(*)::BIGINT AS samples FROM samples s "
-           "LEFT JOIN sample_state st ON st.sample_id = s.sample_id AND st.phase = ? GROUP BY ALL ORDER BY ALL")
-    with connect(path, read_only=True, timeout=timeout) as con: return con.execute(sql, [phase]).df()
+    sql = (
+        f"SELECT {g}coalesce(st.state, 'pending') AS state, count(*)::BIGINT AS samples FROM samples s "
+        "LEFT JOIN sample_state st ON st.sample_id = s.sample_id AND st.phase = ? GROUP BY ALL ORDER BY ALL"
+    )
+    with connect(path, read_only=True, timeout=timeout) as con:
+        return con.execute(sql, [phase]).df()
 
 # %% ../nbs/01_catalog.ipynb #33746eec
-def todo(path, phase:str,
-         partition:str=None, # 'main' or 'long'; None: both (never 'excluded')
-         timeout:float=None)->list: # sample ids, sorted
+def todo(
+    path,
+    phase: str,
+    partition: str = None,  # 'main' or 'long'; None: both (never 'excluded')
+    timeout: float = None,
+) -> list:  # sample ids, sorted
     "Samples of `partition` whose `phase` state is not done or skipped"
     parts = [partition] if partition else ['main', 'long']
-    sql = ("SELECT s.sample_id FROM samples s LEFT JOIN sample_state st ON st.sample_id = s.sample_id AND st.phase = ? "
-           "WHERE list_contains(?, s.partition) AND coalesce(st.state, 'pending') NOT IN ('done', 'skipped') ORDER BY 1")
-    with connect(path, read_only=True, timeout=timeout) as con: return [r[0] for r in con.execute(sql, [phase, parts]).fetchall()]
+    sql = (
+        "SELECT s.sample_id FROM samples s LEFT JOIN sample_state st ON st.sample_id = s.sample_id AND st.phase = ? "
+        "WHERE list_contains(?, s.partition) AND coalesce(st.state, 'pending') NOT IN ('done', 'skipped') ORDER BY 1"
+    )
+    with connect(path, read_only=True, timeout=timeout) as con:
+        return [r[0] for r in con.execute(sql, [phase, parts]).fetchall()]
 
 # %% ../nbs/01_catalog.ipynb #4567e6d5
-def record_run(path, run_id:str, phase:str,
-               status:str,              # one of `RUN_STATUSES`
-               recipe:str=None,         # recipe name or path
-               params:dict=None,        # the phase's parameters
-               timeout:float=None):
+def record_run(
+    path,
+    run_id: str,
+    phase: str,
+    status: str,  # one of `RUN_STATUSES`
+    recipe: str = None,  # recipe name or path
+    params: dict = None,  # the phase's parameters
+    timeout: float = None,
+):
     "Insert or update the row of `phase` in run `run_id`"
-    if status not in RUN_STATUSES: raise ValueError(f"status {status!r}: use one of {', '.join(RUN_STATUSES)}")
+    if status not in RUN_STATUSES:
+        raise ValueError(f"status {status!r}: use one of {', '.join(RUN_STATUSES)}")
     sql = """INSERT INTO runs VALUES ($run_id, $phase, $recipe, $status, now(), CASE WHEN $status <> 'running' THEN now() END, $params)
       ON CONFLICT (run_id, phase) DO UPDATE SET status = excluded.status, finished = excluded.finished,
         started = CASE WHEN excluded.status = 'running' THEN excluded.started ELSE started END,
         recipe = coalesce(excluded.recipe, recipe), params = coalesce(excluded.params, params)"""
-    args = dict(run_id=run_id, phase=phase, recipe=recipe, status=status, params=json.dumps(params) if params is not None else None)
-    with connect(path, timeout=timeout) as con: con.execute(sql, args)
+    args = dict(
+        run_id=run_id,
+        phase=phase,
+        recipe=recipe,
+        status=status,
+        params=json.dumps(params) if params is not None else None,
+    )
+    with connect(path, timeout=timeout) as con:
+        con.execute(sql, args)
 
 # %% ../nbs/01_catalog.ipynb #fe8898e0
-def query(path, sql:str, params=None, timeout:float=None)->pd.DataFrame:
+def query(path, sql: str, params=None, timeout: float = None) -> pd.DataFrame:
     "Run read-only SQL against the catalog"
-    with connect(path, read_only=True, timeout=timeout) as con: return con.execute(sql, params).df()
+    with connect(path, read_only=True, timeout=timeout) as con:
+        return con.execute(sql, params).df()
 
-def samples_df(path, where:str=None, # SQL condition on samples columns (alias s), e.g. "partition = 'long'"
-               params=None,          # values for `?` in `where`
-               phases=(),            # add a `state_<phase>` column for each
-               columns=None,         # samples columns; default all
-               timeout:float=None)->pd.DataFrame:
+
+def samples_df(
+    path,
+    where: str = None,  # SQL condition on samples columns (alias s), e.g. "partition = 'long'"
+    params=None,  # values for `?` in `where`
+    phases=(),  # add a `state_<phase>` column for each
+    columns=None,  # samples columns; default all
+    timeout: float = None,
+) -> pd.DataFrame:
     "Samples, optionally filtered, with their state in `phases`"
     cols = ', '.join(f's.{_ident(c)}' for c in columns) if columns else 's.*'
-    st = ''.join(f", coalesce((SELECT state FROM sample_state x WHERE x.sample_id = s.sample_id AND x.phase = '{_ident(p)}'), "
-                 f"'pending') AS state_{p}" for p in phases)
-    return query(path, f"SELECT {cols}{st} FROM samples s" + (f" WHERE {where}" if where else '') + " ORDER BY s.sample_id",
-                 params, timeout)
+    st = ''.join(
+        f", coalesce((SELECT state FROM sample_state x WHERE x.sample_id = s.sample_id AND x.phase = '{_ident(p)}'), "
+        f"'pending') AS state_{p}"
+        for p in phases
+    )
+    return query(
+        path,
+        f"SELECT {cols}{st} FROM samples s" + (f" WHERE {where}" if where else '') + " ORDER BY s.sample_id",
+        params,
+        timeout,
+    )
 
 # %% ../nbs/01_catalog.ipynb #0d7c894d
-def length_quantiles(path, col:str='total_tokens', # any integer samples column
-                     qs=(0.5, 0.9, 0.99),          # quantiles, as columns p50, p90, p99
-                     timeout:float=None)->pd.DataFrame:
+def length_quantiles(
+    path,
+    col: str = 'total_tokens',  # any integer samples column
+    qs=(0.5, 0.9, 0.99),  # quantiles, as columns p50, p90, p99
+    timeout: float = None,
+) -> pd.DataFrame:
     "Count, quantiles and max of `col` per dataset and partition"
     c = _ident(col)
-    q = ''.join(f', quantile_disc({c}, {float(x)}) AS "p{x*100:g}"' for x in qs)
-    return query(path, f"SELECT dataset, partition, count(*)::BIGINT AS samples{q}, max({c}) AS max FROM samples "
-                 "GROUP BY ALL ORDER BY ALL", timeout=timeout)
+    q = ''.join(f', quantile_disc({c}, {float(x)}) AS "p{x * 100:g}"' for x in qs)
+    return query(
+        path,
+        f"SELECT dataset, partition, count(*)::BIGINT AS samples{q}, max({c}) AS max FROM samples "
+        "GROUP BY ALL ORDER BY ALL",
+        timeout=timeout,
+    )
 
 # %% ../nbs/01_catalog.ipynb #7eb7b186
-def snapshot(path, timeout:float=None)->duckdb.DuckDBPyConnection:
+def snapshot(path, timeout: float = None) -> duckdb.DuckDBPyConnection:
     "An in-memory copy of the catalog that holds no lock on the file"
     with connect(path, read_only=True, timeout=timeout) as con:
         tabs = {t: con.sql(f'SELECT * FROM {t}').to_arrow_table() for t in TABLES}
     mem = duckdb.connect()
     for t, a in tabs.items():
-        mem.register('_t', a); mem.execute(f'CREATE TABLE {t} AS SELECT * FROM _t'); mem.unregister('_t')
+        mem.register('_t', a)
+        mem.execute(f'CREATE TABLE {t} AS SELECT * FROM _t')
+        mem.unregister('_t')
     return mem
 
 # %% ../nbs/01_catalog.ipynb #4c111a54
-def _dense(b, n, k:int): # counts (m,), edges (m+1,)
+def _dense(b, n, k: int):  # counts (m,), edges (m+1,)
     "Contiguous log-bin counts and edges from the non-empty bins `b` (bin i spans 10**(i/k) .. 10**((i+1)/k))"
     b, n = np.asarray(b, int), np.asarray(n)
-    counts = np.zeros(b.max() - b.min() + 1); counts[b - b.min()] = n
-    return counts, 10.0**(np.arange(b.min(), b.max() + 2)/k)
+    counts = np.zeros(b.max() - b.min() + 1)
+    counts[b - b.min()] = n
+    return counts, 10.0 ** (np.arange(b.min(), b.max() + 2) / k)
 
 # %% ../nbs/01_catalog.ipynb #5f9cf914
 _COLORS = dict(main='C0', long='C1', excluded='C3')
 
-def plot_lengths(path, col:str='total_tokens', # any integer samples column
-                 bins_per_decade:int=20, timeout:float=None): # array of matplotlib axes, one per dataset
+
+def plot_lengths(
+    path,
+    col: str = 'total_tokens',  # any integer samples column
+    bins_per_decade: int = 20,
+    timeout: float = None,
+):  # array of matplotlib axes, one per dataset
     "Histograms of `col` per dataset and partition, log x, context limits marked"
     import matplotlib.pyplot as plt  # here, not at import time: the CLI imports this module and rarely plots
+
     c, k = _ident(col), int(bins_per_decade)
-    h = query(path, f"SELECT dataset, coalesce(partition, 'none') AS partition, floor(log10(greatest({c}, 1)) * {k})::INT AS b, "
-              f"count(*) AS n FROM samples WHERE {c} IS NOT NULL GROUP BY ALL ORDER BY ALL", timeout=timeout)
+    h = query(
+        path,
+        f"SELECT dataset, coalesce(partition, 'none') AS partition, floor(log10(greatest({c}, 1)) * {k})::INT AS b, "
+        f"count(*) AS n FROM samples WHERE {c} IS NOT NULL GROUP BY ALL ORDER BY ALL",
+        timeout=timeout,
+    )
     ctx = query(path, "SELECT partition, ctx FROM partitions WHERE ctx IS NOT NULL", timeout=timeout)
     names = h.dataset.unique().tolist() or ['(no samples)']
-    fig, axs = plt.subplots(len(names), 1, figsize=(7, 1.6*len(names) + 0.6), sharex=True, squeeze=False)
+    fig, axs = plt.subplots(len(names), 1, figsize=(7, 1.6 * len(names) + 0.6), sharex=True, squeeze=False)
     for ax, name in zip(axs[:, 0], names):
-        for p, g in h[h.dataset == name].groupby('partition'): ax.stairs(*_dense(g.b, g.n, k), label=p, color=_COLORS.get(p, 'gray'))
-        for p, x in ctx.values: ax.axvline(x, ls='--', lw=0.8, color=_COLORS.get(p, 'gray'))
-        ax.set_xscale('log'); ax.set_ylabel('samples'); ax.set_title(name, fontsize=9, loc='left')
-    seen = {l: h for ax in axs[:, 0] for h, l in zip(*ax.get_legend_handles_labels())}  # every partition, from any panel
-    axs[0, 0].legend(seen.values(), seen.keys(), fontsize=8); axs[-1, 0].set_xlabel(col); fig.tight_layout()
+        for p, g in h[h.dataset == name].groupby('partition'):
+            ax.stairs(*_dense(g.b, g.n, k), label=p, color=_COLORS.get(p, 'gray'))
+        for p, x in ctx.values:
+            ax.axvline(x, ls='--', lw=0.8, color=_COLORS.get(p, 'gray'))
+        ax.set_xscale('log')
+        ax.set_ylabel('samples')
+        ax.set_title(name, fontsize=9, loc='left')
+    seen = {
+        l: h for ax in axs[:, 0] for h, l in zip(*ax.get_legend_handles_labels())
+    }  # every partition, from any panel
+    axs[0, 0].legend(seen.values(), seen.keys(), fontsize=8)
+    axs[-1, 0].set_xlabel(col)
+    fig.tight_layout()
     return axs[:, 0]

@@ -10,300 +10,536 @@ import argparse, json, os, sys
 from pathlib import Path
 
 # %% ../nbs/99_cli.ipynb #44132df3
-def _ints(s:str, flag:str)->list:
+def _ints(s: str, flag: str) -> list:
     "`'2,30,58'` -> `[2, 30, 58]`; `ValueError` naming `flag` otherwise"
-    try: return [int(x) for x in s.split(',') if x.strip()]
-    except ValueError: raise ValueError(f"{flag} {s!r}: give comma-separated integers, e.g. 2,30,58") from None
+    try:
+        return [int(x) for x in s.split(',') if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} {s!r}: give comma-separated integers, e.g. 2,30,58") from None
 
-def _draft_dir(d)->Path:
+
+def _draft_dir(d) -> Path:
     "An exported draft folder (with its config.json), else `FileNotFoundError`"
-    if not (Path(d)/'config.json').is_file(): raise FileNotFoundError(f"{d}: no exported draft here (no config.json); run `eagle3nb export CHECKPOINT --out {d}` first")
+    if not (Path(d) / 'config.json').is_file():
+        raise FileNotFoundError(
+            f"{d}: no exported draft here (no config.json); run `eagle3nb export CHECKPOINT --out {d}` first"
+        )
     from eagle3nb.recipe import read_json
-    read_json(Path(d)/'config.json',
-              f"the draft's config.json is damaged: export it again (eagle3nb export CHECKPOINT --out {d})")
+
+    read_json(
+        Path(d) / 'config.json',
+        f"the draft's config.json is damaged: export it again (eagle3nb export CHECKPOINT --out {d})",
+    )
     return Path(d)
 
-_POSITIVE = ('limit', 'count', 'tp', 'num_steps', 'topk', 'draft_vocab', 'token_budget', 'n', 'max_tokens', 'port', 'num_speculative_tokens')  # counts and sizes
+
+_POSITIVE = (
+    'limit',
+    'count',
+    'tp',
+    'num_steps',
+    'topk',
+    'draft_vocab',
+    'token_budget',
+    'n',
+    'max_tokens',
+    'port',
+    'num_speculative_tokens',
+)  # counts and sizes
+
 
 def _check_args(a):
     "Refuse what no verb can use, naming the option: a count below 1, a model, draft or target folder that is not one"
     import re
     from eagle3nb.recipe import model_dir
+
     if (v := getattr(a, 'port', None)) is not None and not 1 <= v <= 65535:
         raise ValueError(f"--port {v}: give a port from 1 to 65535")
     for k in _POSITIVE:
-        if (v := getattr(a, k, None)) is not None and v < 1: raise ValueError(f"{'-n' if k == 'n' else '--' + k.replace('_', '-')} {v}: give a positive integer")
-    if a.verb == 'serve' and not re.fullmatch(r'[\w.-]+/[\w.-]+', a.model_dir): model_dir(a.model_dir, 'model_dir')  # a hub id is the server's to fetch
-    if a.verb == 'launch' or (a.verb == 'serve' and getattr(a, 'draft', None)): _draft_dir(a.draft)
-    if a.verb == 'verify': _draft_dir(a.draft); model_dir(a.target)
+        if (v := getattr(a, k, None)) is not None and v < 1:
+            raise ValueError(f"{'-n' if k == 'n' else '--' + k.replace('_', '-')} {v}: give a positive integer")
+    if a.verb == 'serve' and not re.fullmatch(r'[\w.-]+/[\w.-]+', a.model_dir):
+        model_dir(a.model_dir, 'model_dir')  # a hub id is the server's to fetch
+    if a.verb == 'launch' or (a.verb == 'serve' and getattr(a, 'draft', None)):
+        _draft_dir(a.draft)
+    if a.verb == 'verify':
+        _draft_dir(a.draft)
+        model_dir(a.target)
     if a.verb == 'doctor':
-        if not Path(a.draft).is_dir(): raise FileNotFoundError(f"{a.draft}: no such draft folder; give the folder `eagle3nb export` wrote")
+        if not Path(a.draft).is_dir():
+            raise FileNotFoundError(f"{a.draft}: no such draft folder; give the folder `eagle3nb export` wrote")
         model_dir(a.target)
 
 # %% ../nbs/99_cli.ipynb #c6808eab
 def _run(a):
     "eagle3nb run RECIPE: execute the recipe's phase notebooks"
     from eagle3nb.runner import run
+
     run(a.recipe, run_id=a.run_id, phases=a.phases.split(',') if a.phases is not None else None, serve=not a.no_serve)
+
 
 def _toy_build(a):
     "eagle3nb toy build NAME [--trained] [--out DIR]: build an offline tiny target (default: into the toy cache)"
     from eagle3nb.toy import ensure_toy, build_toy, toy_dir
+
     name = f'{a.name}-trained' if a.trained and not a.name.endswith('-trained') else a.name
     out = a.out or toy_dir(name)
     out = build_toy(name, out, force=True) if a.force else ensure_toy(name, out)
     print(out)
 
+
 def _toy_list(a):
     "eagle3nb toy list: the toy targets this version can build"
     from eagle3nb.toy import TOYS
+
     print('\n'.join(TOYS))
+
 
 def _serve(a):
     "eagle3nb serve DIR --port P [--engine vllm]: serve a model directory in the foreground"
     if a.engine == 'vllm':
         from eagle3nb.engine import serve_engine
-        spec = dict(method='eagle3', model=str(Path(a.draft).resolve()), num_speculative_tokens=a.num_speculative_tokens) if a.draft else None
+
+        spec = (
+            dict(method='eagle3', model=str(Path(a.draft).resolve()), num_speculative_tokens=a.num_speculative_tokens)
+            if a.draft
+            else None
+        )
         return serve_engine(a.model_dir, port=a.port, host=a.host, speculative=spec, python=a.vllm)
     from eagle3nb.server import serve
+
     serve(a.model_dir, port=a.port, host=a.host)
+
 
 def _prepare(a):
     "eagle3nb prepare --format F --input PATH --name NAME --out DIR: one raw dataset into canonical conversations"
     from eagle3nb.prepare import prepare
-    m = prepare(a.input, a.format, a.name, a.out, limit=a.limit, count=a.count, seed=a.seed, kind=a.kind, license=a.license, force=a.force)
-    print(f"{a.name}: read {m['read']}, kept {m['kept']}, rejected {m['rejected']} {m['reject_reasons'] or ''} -> {Path(a.out)/a.name}")
+
+    m = prepare(
+        a.input,
+        a.format,
+        a.name,
+        a.out,
+        limit=a.limit,
+        count=a.count,
+        seed=a.seed,
+        kind=a.kind,
+        license=a.license,
+        force=a.force,
+    )
+    print(
+        f"{a.name}: read {m['read']}, kept {m['kept']}, rejected {m['rejected']} {m['reject_reasons'] or ''} -> {Path(a.out) / a.name}"
+    )
+
 
 def _render(a):
     "eagle3nb render --target DIR --input CONVERSATIONS.jsonl --out DIR: canonical conversations to token ids + loss masks"
     from eagle3nb.render import render_jsonl
+
     st = render_jsonl(a.target, a.input, a.out, thinking=a.thinking == 'on', merge=not a.no_merge)
     print(json.dumps(st, indent=1))
+
 
 def _generate(a):
     "eagle3nb generate RECIPE: the target's own responses for prompt-only samples (resumable)"
     from eagle3nb.generate import generate_recipe
+
     s = generate_recipe(a.recipe, progress=not a.no_progress, **({'mode': a.mode} if a.mode else {}))
     print(json.dumps(s, indent=1, default=str))
+
 
 def _merge(a):
     "eagle3nb merge RECIPE: the recipe's rendered (and generated) samples into one corpus"
     from eagle3nb.merge import merge_cli
+
     merge_cli(a.recipe, force=a.force)
+
 
 def _vocab(a):
     "eagle3nb vocab RECIPE: the draft vocabulary (d2t, t2d) from the corpus, on CPU"
     from eagle3nb.vocab import vocab_cli
+
     vocab_cli(a.recipe, draft_vocab=a.draft_vocab, force=a.force)
+
 
 def _extract(a):
     "eagle3nb extract RECIPE: hidden states of the target's aux layers for the corpus (torchrun splits it over ranks)"
     from eagle3nb.recipe import load_recipe
-    if a.concurrency is not None and a.concurrency < 1: raise ValueError(f"--concurrency {a.concurrency}: give a positive integer")
+
+    if a.concurrency is not None and a.concurrency < 1:
+        raise ValueError(f"--concurrency {a.concurrency}: give a positive integer")
     r = load_recipe(a.recipe)
     engine = a.engine or r.phases.get('extract', {}).get('engine', 'hf')
-    if engine not in ('hf', 'vllm'): raise ValueError(f"phases.extract.engine {engine!r}: use hf or vllm")
+    if engine not in ('hf', 'vllm'):
+        raise ValueError(f"phases.extract.engine {engine!r}: use hf or vllm")
     if engine == 'vllm':
         from eagle3nb.engine_extract import extract_recipe_engine
+
         return extract_recipe_engine(r, modes=a.modes, splits=a.splits, concurrency=a.concurrency, spool=a.spool or '')
     from eagle3nb.extract import extract_recipe
+
     extract_recipe(r, modes=a.modes, splits=a.splits, device_map=a.device_map or '', token_budget=a.token_budget)
+
 
 def _export(a):
     "eagle3nb export CHECKPOINT --out DIR [--target TARGET_DIR] [--data DATA_ROOT]: a checkpoint SGLang and vLLM load as EAGLE3"
     from eagle3nb.export import export_draft, check_export, run_defaults
+
     run = run_defaults(a.checkpoint) if not (a.target and a.data) else {}
     target, data = a.target or run.get('target'), a.data or run.get('data_root')
-    if not target: raise ValueError(f"{a.checkpoint} is not inside a run folder (papermill_runs/<run_id>/checkpoints/step_N next to recipe.yaml): pass --target TARGET_DIR")
+    if not target:
+        raise ValueError(
+            f"{a.checkpoint} is not inside a run folder (papermill_runs/<run_id>/checkpoints/step_N next to recipe.yaml): pass --target TARGET_DIR"
+        )
     from eagle3nb.recipe import model_dir
-    cfg = export_draft(a.checkpoint, a.out, model_dir(target), aux_layers=_ints(a.aux_layers, '--aux-layers') if a.aux_layers else None,
-                       data_root=data)
+
+    cfg = export_draft(
+        a.checkpoint,
+        a.out,
+        model_dir(target),
+        aux_layers=_ints(a.aux_layers, '--aux-layers') if a.aux_layers else None,
+        data_root=data,
+    )
     problems = check_export(a.out)
     print(json.dumps(dict(out=a.out, architectures=cfg['architectures'], problems=problems), indent=1))
-    if problems: sys.exit(1)
+    if problems:
+        sys.exit(1)
+
 
 def _launch(a):
     "eagle3nb launch DRAFT --target MODEL: the SGLang and vLLM commands that serve MODEL with this draft"
     from eagle3nb.export import launch_commands
-    for eng, cmd in launch_commands(a.draft, a.target, tp=a.tp, num_steps=a.num_steps, topk=a.topk).items(): print(f'# {eng}\n{cmd}\n')
+
+    for eng, cmd in launch_commands(a.draft, a.target, tp=a.tp, num_steps=a.num_steps, topk=a.topk).items():
+        print(f'# {eng}\n{cmd}\n')
+
 
 def _doctor(a):
     "eagle3nb doctor DIR --target TARGET_DIR [--server-args FILE | --server URL]: exit 1 on any known silent failure"
     from eagle3nb.doctor import doctor_cli
-    sys.exit(doctor_cli(a.draft, a.target, server_args=a.server_args, server=a.server, trust_remote_code=a.trust_remote_code,
-                        engine=False if a.no_engine else None))
+
+    sys.exit(
+        doctor_cli(
+            a.draft,
+            a.target,
+            server_args=a.server_args,
+            server=a.server,
+            trust_remote_code=a.trust_remote_code,
+            engine=False if a.no_engine else None,
+        )
+    )
+
 
 def _serve_bench(a):
     "eagle3nb serve-bench --baseline URL --speculative URL --model NAME: output tok/s, TTFT, accept length, break-even"
     from eagle3nb.servebench import serve_bench_cli
+
     if a.draft:  # what to launch first: the target with this draft (and, for the baseline, the same without the speculative flags)
         from eagle3nb.export import launch_commands
-        for eng, cmd in launch_commands(a.draft, a.target or a.model or 'TARGET', tp=a.tp).items(): print(f'# {eng}\n{cmd}\n')
-    serve_bench_cli(a.baseline, a.speculative, a.model, prompts=a.prompts, recipe=a.recipe, concurrency=a.concurrency,
-                    max_tokens=a.max_tokens, n=a.n, out=a.out)
+
+        for eng, cmd in launch_commands(a.draft, a.target or a.model or 'TARGET', tp=a.tp).items():
+            print(f'# {eng}\n{cmd}\n')
+    serve_bench_cli(
+        a.baseline,
+        a.speculative,
+        a.model,
+        prompts=a.prompts,
+        recipe=a.recipe,
+        concurrency=a.concurrency,
+        max_tokens=a.max_tokens,
+        n=a.n,
+        out=a.out,
+    )
+
 
 def _verify(a):
     "eagle3nb verify DRAFT --target T: serve the draft in vLLM; greedy identity, acceptance, offline estimate"
     from eagle3nb.verify import verify_cli
-    sys.exit(verify_cli(a.draft, a.target, prompts=a.prompts, recipe=a.recipe, n=a.n, max_tokens=a.max_tokens,
-                        k=a.num_speculative_tokens, json_out=a.json, offline=False if a.no_offline else None, engine=a.vllm))
+
+    sys.exit(
+        verify_cli(
+            a.draft,
+            a.target,
+            prompts=a.prompts,
+            recipe=a.recipe,
+            n=a.n,
+            max_tokens=a.max_tokens,
+            k=a.num_speculative_tokens,
+            json_out=a.json,
+            offline=False if a.no_offline else None,
+            engine=a.vllm,
+        )
+    )
+
 
 def _plan(a):
     "eagle3nb plan RECIPE [--out DIR]: write the next train_plan_vN.md"
     from eagle3nb.plan import plan_cli
+
     plan_cli(a.recipe, out=a.out)
+
 
 def _recipe_check(a):
     "eagle3nb recipe check RECIPE: validate a recipe and print it resolved"
     import yaml
     from eagle3nb.recipe import load_recipe, recipe_dict, RecipeError
     from eagle3nb.runner import check_recipe
+
     r = load_recipe(a.recipe)
-    if ps := check_recipe(r, local=not a.elsewhere): raise RecipeError(f"{a.recipe}: " + '; '.join(ps))
+    if ps := check_recipe(r, local=not a.elsewhere):
+        raise RecipeError(f"{a.recipe}: " + '; '.join(ps))
     print(yaml.safe_dump(recipe_dict(r), sort_keys=False), end='')
 
 # %% ../nbs/99_cli.ipynb #d620a11f
-def parser()->argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     "The `eagle3nb` argument parser"
     from eagle3nb.toy import TOYS  # reads specs only: instant
-    p = argparse.ArgumentParser(prog='eagle3nb', description='Train EAGLE-3 draft models: one recipe from raw datasets to a served draft.')
+
+    p = argparse.ArgumentParser(
+        prog='eagle3nb', description='Train EAGLE-3 draft models: one recipe from raw datasets to a served draft.'
+    )
     sub = p.add_subparsers(dest='verb', required=True, metavar='VERB')
-    r = sub.add_parser('run', help='run a recipe\'s phase notebooks with papermill'); r.set_defaults(fn=_run)
+    r = sub.add_parser('run', help='run a recipe\'s phase notebooks with papermill')
+    r.set_defaults(fn=_run)
     r.add_argument('recipe', help='recipe YAML, e.g. recipes/demo.yaml')
     r.add_argument('--run-id', help='papermill_runs/<run_id>/ holds the records; rerun an id to resume')
     r.add_argument('--phases', help='comma-separated phases to run, e.g. target_check (default: all)')
     r.add_argument('--no-serve', action='store_true', help='never launch a local server for the target')
-    t = sub.add_parser('toy', help='offline tiny targets').add_subparsers(dest='toy_verb', required=True, metavar='ACTION')
-    b = t.add_parser('build', help='build a toy target directory'); b.set_defaults(fn=_toy_build)
-    b.add_argument('name', choices=list(TOYS), help='which toy target'); b.add_argument('--out', help='model directory to write (default: the toy cache, $EAGLE3NB_CACHE/toys/NAME)')
-    b.add_argument('--trained', action='store_true', help='the trained variant (NAME-trained): the toy briefly trained on text shipped with Python (minutes, once)')
+    t = sub.add_parser('toy', help='offline tiny targets').add_subparsers(
+        dest='toy_verb', required=True, metavar='ACTION'
+    )
+    b = t.add_parser('build', help='build a toy target directory')
+    b.set_defaults(fn=_toy_build)
+    b.add_argument('name', choices=list(TOYS), help='which toy target')
+    b.add_argument('--out', help='model directory to write (default: the toy cache, $EAGLE3NB_CACHE/toys/NAME)')
+    b.add_argument(
+        '--trained',
+        action='store_true',
+        help='the trained variant (NAME-trained): the toy briefly trained on text shipped with Python (minutes, once)',
+    )
     b.add_argument('--force', action='store_true', help='rebuild even when a complete build is there')
     t.add_parser('list', help='list toy targets').set_defaults(fn=_toy_list)
-    s = sub.add_parser('serve', help='serve a model directory (OpenAI-compatible) in the foreground'); s.set_defaults(fn=_serve)
-    s.add_argument('model_dir'); s.add_argument('--port', type=int, default=8000); s.add_argument('--host', default='127.0.0.1')
-    s.add_argument('--engine', choices=['transformers', 'vllm'], default='transformers', help='transformers serve (default) or vLLM (make engine)')
+    s = sub.add_parser('serve', help='serve a model directory (OpenAI-compatible) in the foreground')
+    s.set_defaults(fn=_serve)
+    s.add_argument('model_dir')
+    s.add_argument('--port', type=int, default=8000)
+    s.add_argument('--host', default='127.0.0.1')
+    s.add_argument(
+        '--engine',
+        choices=['transformers', 'vllm'],
+        default='transformers',
+        help='transformers serve (default) or vLLM (make engine)',
+    )
     s.add_argument('--draft', help='with --engine vllm: an exported EAGLE-3 draft to serve with the target')
-    s.add_argument('--num-speculative-tokens', type=int, default=3); s.add_argument('--vllm', help='a vLLM venv or its python (default $EAGLE3NB_VLLM, else .venv-vllm)')
-    pp = sub.add_parser('prepare', help='read one raw dataset into canonical conversations'); pp.set_defaults(fn=_prepare)
+    s.add_argument('--num-speculative-tokens', type=int, default=3)
+    s.add_argument('--vllm', help='a vLLM venv or its python (default $EAGLE3NB_VLLM, else .venv-vllm)')
+    pp = sub.add_parser('prepare', help='read one raw dataset into canonical conversations')
+    pp.set_defaults(fn=_prepare)
     pp.add_argument('--format', required=True, help='adapter: sharegpt, openai, alpaca, sweagent_traj, ...')
     pp.add_argument('--input', required=True, help='raw file, folder, or hub dataset id')
     pp.add_argument('--name', required=True, help='dataset name: the folder under --out')
     pp.add_argument('--out', required=True, help='parent folder, e.g. data/<recipe>/prepared')
-    pp.add_argument('--limit', type=int, help='first N records only'); pp.add_argument('--count', type=int, help='seeded sample of N records')
-    pp.add_argument('--seed', type=int, default=0); pp.add_argument('--kind', choices=['full', 'prompt_only', 'native'])
+    pp.add_argument('--limit', type=int, help='first N records only')
+    pp.add_argument('--count', type=int, help='seeded sample of N records')
+    pp.add_argument('--seed', type=int, default=0)
+    pp.add_argument('--kind', choices=['full', 'prompt_only', 'native'])
     pp.add_argument('--license', help="the dataset's license, recorded on every conversation")
     pp.add_argument('--force', action='store_true', help='rebuild even when the manifest matches')
-    rn = sub.add_parser('render', help="render canonical conversations in the target's format (token ids, loss mask)"); rn.set_defaults(fn=_render)
+    rn = sub.add_parser('render', help="render canonical conversations in the target's format (token ids, loss mask)")
+    rn.set_defaults(fn=_render)
     rn.add_argument('--target', required=True, help='target model directory (tokenizer + chat template)')
     rn.add_argument('--input', required=True, help='canonical conversations, one JSON a line')
     rn.add_argument('--out', required=True, help='receives samples.jsonl and rejects.jsonl')
-    rn.add_argument('--thinking', choices=['on', 'off'], default='on'); rn.add_argument('--no-merge', action='store_true', help='one sample per assistant turn')
-    gn = sub.add_parser('generate', help="get the target's own responses from the recipe's endpoints (resumable)"); gn.set_defaults(fn=_generate)
-    gn.add_argument('recipe'); gn.add_argument('--mode', choices=['raw', 'chat'], help='default: recipe phases.generate.mode or raw')
+    rn.add_argument('--thinking', choices=['on', 'off'], default='on')
+    rn.add_argument('--no-merge', action='store_true', help='one sample per assistant turn')
+    gn = sub.add_parser('generate', help="get the target's own responses from the recipe's endpoints (resumable)")
+    gn.set_defaults(fn=_generate)
+    gn.add_argument('recipe')
+    gn.add_argument('--mode', choices=['raw', 'chat'], help='default: recipe phases.generate.mode or raw')
     gn.add_argument('--no-progress', action='store_true')
-    mg = sub.add_parser('merge', help="merge the recipe's samples into one deduplicated, shuffled corpus"); mg.set_defaults(fn=_merge)
-    mg.add_argument('recipe'); mg.add_argument('--force', action='store_true', help='rebuild even when nothing changed')
-    vc = sub.add_parser('vocab', help='choose the draft vocabulary (d2t, t2d) from the corpus'); vc.set_defaults(fn=_vocab)
-    vc.add_argument('recipe'); vc.add_argument('--draft-vocab', type=int, help='K (default: recipe phases.vocab.draft_vocab or 32000)')
+    mg = sub.add_parser('merge', help="merge the recipe's samples into one deduplicated, shuffled corpus")
+    mg.set_defaults(fn=_merge)
+    mg.add_argument('recipe')
+    mg.add_argument('--force', action='store_true', help='rebuild even when nothing changed')
+    vc = sub.add_parser('vocab', help='choose the draft vocabulary (d2t, t2d) from the corpus')
+    vc.set_defaults(fn=_vocab)
+    vc.add_argument('recipe')
+    vc.add_argument('--draft-vocab', type=int, help='K (default: recipe phases.vocab.draft_vocab or 32000)')
     vc.add_argument('--force', action='store_true', help='recount even when nothing changed')
-    ex = sub.add_parser('extract', help="store the target's aux hidden states for the corpus (safetensors shards)"); ex.set_defaults(fn=_extract)
-    ex.add_argument('recipe'); ex.add_argument('--modes', default='bf16', help='comma-separated: bf16, compact')
+    ex = sub.add_parser('extract', help="store the target's aux hidden states for the corpus (safetensors shards)")
+    ex.set_defaults(fn=_extract)
+    ex.add_argument('recipe')
+    ex.add_argument('--modes', default='bf16', help='comma-separated: bf16, compact')
     ex.add_argument('--splits', default='train,eval', help='corpus splits')
-    ex.add_argument('--device-map', help='where the target goes: cuda:0, auto (one copy over all visible GPUs); default cuda:LOCAL_RANK, else cpu')
+    ex.add_argument(
+        '--device-map',
+        help='where the target goes: cuda:0, auto (one copy over all visible GPUs); default cuda:LOCAL_RANK, else cpu',
+    )
     ex.add_argument('--token-budget', type=int, default=16384, help='tokens per forward (batch size x longest sample)')
-    ex.add_argument('--engine', choices=['hf', 'vllm'], help='hf: the target in this process; vllm: a vLLM server (target.endpoints, else launched here); default phases.extract.engine or hf')
-    ex.add_argument('--concurrency', type=int, help='--engine vllm: requests in flight (default phases.extract.concurrency or 8)')
-    ex.add_argument('--spool', help="--engine vllm with endpoints: the engine connector's output folder (default phases.extract.spool)")
-    xp = sub.add_parser('export', help='write an engine-ready EAGLE3 draft (config.json + bf16 model.safetensors)'); xp.set_defaults(fn=_export)
+    ex.add_argument(
+        '--engine',
+        choices=['hf', 'vllm'],
+        help='hf: the target in this process; vllm: a vLLM server (target.endpoints, else launched here); default phases.extract.engine or hf',
+    )
+    ex.add_argument(
+        '--concurrency', type=int, help='--engine vllm: requests in flight (default phases.extract.concurrency or 8)'
+    )
+    ex.add_argument(
+        '--spool',
+        help="--engine vllm with endpoints: the engine connector's output folder (default phases.extract.spool)",
+    )
+    xp = sub.add_parser('export', help='write an engine-ready EAGLE3 draft (config.json + bf16 model.safetensors)')
+    xp.set_defaults(fn=_export)
     xp.add_argument('checkpoint', help='a training checkpoint folder, e.g. checkpoints/step_1000')
-    xp.add_argument('--out', required=True); xp.add_argument('--target', help="the target model directory (default: the checkpoint's run recipe's)")
-    xp.add_argument('--aux-layers', help='comma-separated input-of-layer ids (default: the hidden states\' with --data, else [2, N//2, N-3])')
-    xp.add_argument('--data', help="the recipe's data root (data/<recipe>; default: the run recipe's): writes the training record doctor checks")
-    la = sub.add_parser('launch', help='print the SGLang and vLLM commands that serve a target with an exported draft'); la.set_defaults(fn=_launch)
-    la.add_argument('draft', help='exported draft folder'); la.add_argument('--target', required=True, help="the target's path or hub id")
-    la.add_argument('--tp', type=int, default=1); la.add_argument('--num-steps', type=int, default=3); la.add_argument('--topk', type=int, default=1)
-    dr = sub.add_parser('doctor', help='check an exported draft, its target and the server launch for every known silent failure'); dr.set_defaults(fn=_doctor)
-    dr.add_argument('draft', help='exported draft folder'); dr.add_argument('--target', required=True, help='the target model folder')
+    xp.add_argument('--out', required=True)
+    xp.add_argument('--target', help="the target model directory (default: the checkpoint's run recipe's)")
+    xp.add_argument(
+        '--aux-layers',
+        help='comma-separated input-of-layer ids (default: the hidden states\' with --data, else [2, N//2, N-3])',
+    )
+    xp.add_argument(
+        '--data',
+        help="the recipe's data root (data/<recipe>; default: the run recipe's): writes the training record doctor checks",
+    )
+    la = sub.add_parser('launch', help='print the SGLang and vLLM commands that serve a target with an exported draft')
+    la.set_defaults(fn=_launch)
+    la.add_argument('draft', help='exported draft folder')
+    la.add_argument('--target', required=True, help="the target's path or hub id")
+    la.add_argument('--tp', type=int, default=1)
+    la.add_argument('--num-steps', type=int, default=3)
+    la.add_argument('--topk', type=int, default=1)
+    dr = sub.add_parser(
+        'doctor', help='check an exported draft, its target and the server launch for every known silent failure'
+    )
+    dr.set_defaults(fn=_doctor)
+    dr.add_argument('draft', help='exported draft folder')
+    dr.add_argument('--target', required=True, help='the target model folder')
     g = dr.add_mutually_exclusive_group()
     g.add_argument('--server-args', help='the launch command (or a script holding it), or SGLang server args as JSON')
     g.add_argument('--server', help="a running SGLang server's base URL (its /get_server_info is read)")
-    dr.add_argument('--trust-remote-code', action='store_true', help="run the target's own config/tokenizer code (Kimi needs it)")
-    dr.add_argument('--no-engine', action='store_true', help='skip the engine row (by default it serves the draft in vLLM when one is installed)')
-    sb = sub.add_parser('serve-bench', help='benchmark a speculative endpoint against its baseline'); sb.set_defaults(fn=_serve_bench)
+    dr.add_argument(
+        '--trust-remote-code', action='store_true', help="run the target's own config/tokenizer code (Kimi needs it)"
+    )
+    dr.add_argument(
+        '--no-engine',
+        action='store_true',
+        help='skip the engine row (by default it serves the draft in vLLM when one is installed)',
+    )
+    sb = sub.add_parser('serve-bench', help='benchmark a speculative endpoint against its baseline')
+    sb.set_defaults(fn=_serve_bench)
     sb.add_argument('--baseline', required=True, help='base URL of the server without the draft (.../v1)')
     sb.add_argument('--speculative', required=True, help='base URL of the server with the draft (.../v1)')
     sb.add_argument('--model', help='served model id (default: the first model the baseline lists)')
-    sb.add_argument('--recipe', help="eval prompts from this recipe's eval split"); sb.add_argument('--prompts', help='or from a JSONL file of prompts')
-    sb.add_argument('--concurrency', default='1,8', help='comma-separated concurrencies'); sb.add_argument('--max-tokens', type=int, default=128)
-    sb.add_argument('-n', type=int, default=16, help='prompts per concurrency'); sb.add_argument('--out', help='write the results here (JSON) and break_even.png beside it')
+    sb.add_argument('--recipe', help="eval prompts from this recipe's eval split")
+    sb.add_argument('--prompts', help='or from a JSONL file of prompts')
+    sb.add_argument('--concurrency', default='1,8', help='comma-separated concurrencies')
+    sb.add_argument('--max-tokens', type=int, default=128)
+    sb.add_argument('-n', type=int, default=16, help='prompts per concurrency')
+    sb.add_argument('--out', help='write the results here (JSON) and break_even.png beside it')
     sb.add_argument('--draft', help='an exported draft: print the SGLang and vLLM launch commands for it first')
-    sb.add_argument('--target', help='the target path the launch commands load (default: --model)'); sb.add_argument('--tp', type=int, default=1)
-    vf = sub.add_parser('verify', help='serve an exported draft in vLLM: greedy output unchanged, acceptance counted, offline estimate beside it'); vf.set_defaults(fn=_verify)
-    vf.add_argument('draft', help='exported draft folder'); vf.add_argument('--target', required=True, help='the target model folder')
-    vf.add_argument('--prompts', help='JSONL: prompt_token_ids, prompt (text) or messages per line'); vf.add_argument('--recipe', help="or the recipe's eval split")
-    vf.add_argument('--n', type=int, default=16, help='prompts'); vf.add_argument('--max-tokens', type=int, default=64)
-    vf.add_argument('--num-speculative-tokens', type=int, default=3); vf.add_argument('--json', help='write the figures here')
-    vf.add_argument('--no-offline', action='store_true', help='skip our offline estimate (a target too big to load here)')
+    sb.add_argument('--target', help='the target path the launch commands load (default: --model)')
+    sb.add_argument('--tp', type=int, default=1)
+    vf = sub.add_parser(
+        'verify',
+        help='serve an exported draft in vLLM: greedy output unchanged, acceptance counted, offline estimate beside it',
+    )
+    vf.set_defaults(fn=_verify)
+    vf.add_argument('draft', help='exported draft folder')
+    vf.add_argument('--target', required=True, help='the target model folder')
+    vf.add_argument('--prompts', help='JSONL: prompt_token_ids, prompt (text) or messages per line')
+    vf.add_argument('--recipe', help="or the recipe's eval split")
+    vf.add_argument('--n', type=int, default=16, help='prompts')
+    vf.add_argument('--max-tokens', type=int, default=64)
+    vf.add_argument('--num-speculative-tokens', type=int, default=3)
+    vf.add_argument('--json', help='write the figures here')
+    vf.add_argument(
+        '--no-offline', action='store_true', help='skip our offline estimate (a target too big to load here)'
+    )
     vf.add_argument('--vllm', help='a vLLM venv or its python (default $EAGLE3NB_VLLM, else .venv-vllm)')
-    pl = sub.add_parser('plan', help='write the next train_plan_vN.md for a recipe'); pl.set_defaults(fn=_plan)
-    pl.add_argument('recipe'); pl.add_argument('--out', help='folder of the plans (default plans/<recipe name>/)')
-    rc = sub.add_parser('recipe', help='recipe tools').add_subparsers(dest='recipe_verb', required=True, metavar='ACTION')
-    c = rc.add_parser('check', help='validate a recipe and print it resolved'); c.set_defaults(fn=_recipe_check); c.add_argument('recipe')
-    c.add_argument('--elsewhere', action='store_true', help='a recipe for another machine: check schema, formats and phase parameters, not its paths')
+    pl = sub.add_parser('plan', help='write the next train_plan_vN.md for a recipe')
+    pl.set_defaults(fn=_plan)
+    pl.add_argument('recipe')
+    pl.add_argument('--out', help='folder of the plans (default plans/<recipe name>/)')
+    rc = sub.add_parser('recipe', help='recipe tools').add_subparsers(
+        dest='recipe_verb', required=True, metavar='ACTION'
+    )
+    c = rc.add_parser('check', help='validate a recipe and print it resolved')
+    c.set_defaults(fn=_recipe_check)
+    c.add_argument('recipe')
+    c.add_argument(
+        '--elsewhere',
+        action='store_true',
+        help='a recipe for another machine: check schema, formats and phase parameters, not its paths',
+    )
     return p
 
 # %% ../nbs/99_cli.ipynb #d1965841
 import errno
 
-def _flag_names(p:argparse.ArgumentParser, a)->dict:
+
+def _flag_names(p: argparse.ArgumentParser, a) -> dict:
     "dest -> the option or argument as the user wrote it (`--out`, `RECIPE`), in the subcommand `a` ran"
     out = {}
     for act in p._actions:
         if isinstance(act, argparse._SubParsersAction):
-            if (name := getattr(a, act.dest, None)) in act.choices: out.update(_flag_names(act.choices[name], a))
+            if (name := getattr(a, act.dest, None)) in act.choices:
+                out.update(_flag_names(act.choices[name], a))
         elif act.dest != 'help':
             out[act.dest] = max(act.option_strings, key=len) if act.option_strings else act.dest.upper()
     return out
 
-def _flag_of(a, path, flags:dict)->tuple:
+
+def _flag_of(a, path, flags: dict) -> tuple:
     "The option of `a` whose value is `path`, under it or above it, and that value: `('--out', 'out/x')`; `('', None)`"
     p, best, n = os.path.abspath(path), ('', None), 0
     for k, v in vars(a).items():
-        if k not in flags or not isinstance(v, (str, Path)) or not str(v): continue
+        if k not in flags or not isinstance(v, (str, Path)) or not str(v):
+            continue
         q = os.path.abspath(v)
         near = p == q or p.startswith(q.rstrip(os.sep) + os.sep) or q.startswith(p.rstrip(os.sep) + os.sep)
-        if near and len(q) > n: best, n = (flags[k], q), len(q)
+        if near and len(q) > n:
+            best, n = (flags[k], q), len(q)
     return best
 
-def _short(path:Path)->str:
+
+def _short(path: Path) -> str:
     "`path` with each name over 40 characters cut (a too-long name would fill the terminal)"
     return os.sep.join(f"{c[:16]}...({len(c.encode())} bytes)" if len(c) > 40 else c for c in str(path).split(os.sep))
 
-_OS_WHY = {errno.EACCES: 'permission denied; give a path you may write (or read), or change its permissions',
-           errno.EPERM: 'operation not permitted; give a path you may write, or change its permissions',
-           errno.EROFS: 'on a read-only file system; give a path on a writable disk',
-           errno.ENOSPC: 'no space left on the disk; free some, or give a path on another disk',
-           errno.EDQUOT: 'disk quota exceeded; free some space, or give a path on another disk',
-           errno.EISDIR: "a folder where a file is needed; give the file's path",
-           errno.ENOENT: 'no such file or folder; check the path',
-           errno.EEXIST: 'already exists; give a new path',
-           errno.ELOOP: 'too many levels of symbolic links; check the links in this path'}
 
-def _os_message(e:OSError,   # an OSError that names a path (`e.filename`)
-                flag:str='',  # the option that gave the path, e.g. `--out`
-                given=None,   # the option's value, when it is below `e.filename` (`--out f/x` where `f` is a file)
-               )->str:
+_OS_WHY = {
+    errno.EACCES: 'permission denied; give a path you may write (or read), or change its permissions',
+    errno.EPERM: 'operation not permitted; give a path you may write, or change its permissions',
+    errno.EROFS: 'on a read-only file system; give a path on a writable disk',
+    errno.ENOSPC: 'no space left on the disk; free some, or give a path on another disk',
+    errno.EDQUOT: 'disk quota exceeded; free some space, or give a path on another disk',
+    errno.EISDIR: "a folder where a file is needed; give the file's path",
+    errno.ENOENT: 'no such file or folder; check the path',
+    errno.EEXIST: 'already exists; give a new path',
+    errno.ELOOP: 'too many levels of symbolic links; check the links in this path',
+}
+
+
+def _os_message(
+    e: OSError,  # an OSError that names a path (`e.filename`)
+    flag: str = '',  # the option that gave the path, e.g. `--out`
+    given=None,  # the option's value, when it is below `e.filename` (`--out f/x` where `f` is a file)
+) -> str:
     "One line for an OSError a path caused: the option, the path, what is wrong with it, what to do"
     path = Path(os.fsdecode(e.filename))
-    if given and str(given).startswith(str(path).rstrip(os.sep) + os.sep): path = Path(given)
+    if given and str(given).startswith(str(path).rstrip(os.sep) + os.sep):
+        path = Path(given)
     who = f"{flag} " if flag else ''
     if e.errno == errno.ENAMETOOLONG:
         n = max(len(c.encode()) for c in path.parts)
-        return (f"{who}{_short(path)}: a name in this path is {n} bytes long, "
-                "more than the file system allows (255); give a shorter name")
+        return (
+            f"{who}{_short(path)}: a name in this path is {n} bytes long, "
+            "more than the file system allows (255); give a shorter name"
+        )
     up = next((q for q in (path, *path.parents) if os.path.lexists(q)), None)  # the nearest part that is there
     if e.errno in (errno.ENOTDIR, errno.EEXIST) and up is not None and not up.is_dir():
-        if up == path: return f"{who}{path}: is a file, not a folder; give a folder (the file is kept)"
+        if up == path:
+            return f"{who}{path}: is a file, not a folder; give a folder (the file is kept)"
         return f"{who}{path}: {up} is a file, not a folder; give a path under a folder (the file is kept)"
     return f"{who}{path}: {_OS_WHY.get(e.errno, f'{e.strerror}; check the path')}"
 
@@ -316,26 +552,45 @@ def _user_errors():
     from eagle3nb.catalog import CatalogLocked
     from eagle3nb.export import ExportError
     from eagle3nb.engine import EngineError
+
     # ValueError covers RecipeError, PrepareError, BadFile (a file that does not parse: JSON, YAML, UTF-8), json's and
     # UTF-8's own errors and the phases' checks of their inputs, whose messages name the bad value and what to do;
     # an OSError naming a path is the user's too (`_os_message`); EAGLE3NB_DEBUG=1 brings the traceback back
-    return (EngineError, RecipeError, PhaseFailed, ServerNotReady, ModelMismatch, CatalogLocked, ExportError, FileNotFoundError, FileExistsError, ValueError)
+    return (
+        EngineError,
+        RecipeError,
+        PhaseFailed,
+        ServerNotReady,
+        ModelMismatch,
+        CatalogLocked,
+        ExportError,
+        FileNotFoundError,
+        FileExistsError,
+        ValueError,
+    )
 
-def _user_message(e:Exception, a, flags:dict)->str|None:
+
+def _user_message(e: Exception, a, flags: dict) -> str | None:
     "The one line for an exception a user caused; None for a bug, which keeps its traceback"
     if isinstance(e, OSError) and e.errno and isinstance(e.filename, (str, bytes, os.PathLike)):
         return _os_message(e, *_flag_of(a, os.fsdecode(e.filename), flags))
-    if isinstance(e, _user_errors()): return str(e)
+    if isinstance(e, _user_errors()):
+        return str(e)
     return None
 
-_KEPT = dict(run='the phases that finished are kept in the run folder; rerun with the same --run-id to resume',
-             generate='the answers received so far are kept; rerun the same command to resume',
-             extract='the shards written so far are kept; rerun the same command to resume',
-             serve='the server is stopped; start it again with the same command')
 
-def _interrupted(a)->str:
+_KEPT = dict(
+    run='the phases that finished are kept in the run folder; rerun with the same --run-id to resume',
+    generate='the answers received so far are kept; rerun the same command to resume',
+    extract='the shards written so far are kept; rerun the same command to resume',
+    serve='the server is stopped; start it again with the same command',
+)
+
+
+def _interrupted(a) -> str:
     "What a Ctrl-C left: what is kept and how to go on"
     return _KEPT.get(a.verb, 'no output was published and what was there before is kept; rerun the same command')
+
 
 def main(argv=None):
     "Entry point of the `eagle3nb` command"
@@ -345,17 +600,20 @@ def main(argv=None):
         _check_args(a)
         a.fn(a)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM where a verb turns it into one
-        if os.environ.get('EAGLE3NB_DEBUG'): raise
+        if os.environ.get('EAGLE3NB_DEBUG'):
+            raise
         term = str(e) == 'SIGTERM' or getattr(e, 'sigterm', False)
         why = 'SIGTERM' if term else 'Ctrl-C'
         told = str(e) if e.args and str(e) != 'SIGTERM' else ''  # a verb that says itself what it recorded (the runner)
         print(f'eagle3nb {a.verb}: ' + (told or f'interrupted ({why}): {_interrupted(a)}'), file=sys.stderr, flush=True)
         code = 143 if term else 130
         # the command itself, after a run: the kernel client's abandoned zmq/asyncio objects would print at exit
-        if argv is None and a.verb == 'run': os._exit(code)
+        if argv is None and a.verb == 'run':
+            os._exit(code)
         sys.exit(code)
     except Exception as e:
         msg = None if os.environ.get('EAGLE3NB_DEBUG') else _user_message(e, a, _flag_names(p, a))
-        if msg is None: raise
+        if msg is None:
+            raise
         print(f'eagle3nb {a.verb}: error: {msg}', file=sys.stderr)
         sys.exit(1)

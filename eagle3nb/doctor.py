@@ -26,553 +26,1139 @@ from .train import save_checkpoint, TrainConfig, target_tensors
 from .vocab import family_special_ids, vocab_maps
 
 # %% ../nbs/71_doctor.ipynb #b1bd256e
-class DoctorError(ValueError): "Something doctor cannot read: a server-args file, a server, an export folder"
+class DoctorError(ValueError):
+    "Something doctor cannot read: a server-args file, a server, an export folder"
 
 # %% ../nbs/71_doctor.ipynb #cfef7b97
 _LAUNCH = re.compile(r'sglang\.launch_server|\bsglang\s+serve\b|\bvllm\s+serve\b|vllm\.entrypoints\.openai\.api_server')
 _SHELL_STOP = {'&&', '||', '|', ';', '&', '>', '2>', '>>'}
 
-def _launch_tokens(text:str)->list:
+
+def _launch_tokens(text: str) -> list:
     "The words of the first engine launch command in `text` (a command line or a shell script)"
     text = re.sub(r'\\\r?\n', ' ', text)  # join `\` continuations
     for line in text.splitlines():
-        if line.lstrip().startswith('#') or not _LAUNCH.search(line): continue
-        try: return shlex.split(line, comments=True)
-        except ValueError as e: raise DoctorError(f"cannot split the launch command {line.strip()[:80]!r}: {e}") from None
+        if line.lstrip().startswith('#') or not _LAUNCH.search(line):
+            continue
+        try:
+            return shlex.split(line, comments=True)
+        except ValueError as e:
+            raise DoctorError(f"cannot split the launch command {line.strip()[:80]!r}: {e}") from None
     raise DoctorError("no `python -m sglang.launch_server ...` or `vllm serve ...` command found in the server args")
 
 # %% ../nbs/71_doctor.ipynb #8f61d2df
-def _flags(words:list)->tuple: # {name: value}, positional words
+def _flags(words: list) -> tuple:  # {name: value}, positional words
     "Parse `--a-b x --c=y --d` into {'a_b': 'x', 'c': 'y', 'd': True}; stop at a shell operator"
     out, pos, i = {}, [], 0
     while i < len(words):
         w = words[i]
-        if w in _SHELL_STOP: break
+        if w in _SHELL_STOP:
+            break
         if w.startswith('-') and len(w) > 1:
             k, eq, v = w.lstrip('-').partition('=')
             if not eq:
-                nxt = words[i+1] if i + 1 < len(words) else None
-                if nxt is not None and not nxt.startswith('-') and nxt not in _SHELL_STOP: v, i = nxt, i + 1
-                else: v = True
+                nxt = words[i + 1] if i + 1 < len(words) else None
+                if nxt is not None and not nxt.startswith('-') and nxt not in _SHELL_STOP:
+                    v, i = nxt, i + 1
+                else:
+                    v = True
             out[k.replace('-', '_')] = v
-        else: pos.append(w)
+        else:
+            pos.append(w)
         i += 1
     return out, pos
 
 # %% ../nbs/71_doctor.ipynb #39800972
-def _sglang(a:dict)->dict:
+def _sglang(a: dict) -> dict:
     "Normalized view of SGLang server args (flags or `/get_server_info`)"
     a = dict(a)
     for alias, name in (('model', 'model_path'), ('speculative_draft_model', 'speculative_draft_model_path')):
-        if alias in a and name not in a: a[name] = a.pop(alias)
-    return dict(engine='sglang', algorithm=a.get('speculative_algorithm'), draft_path=a.get('speculative_draft_model_path'),
-                target_path=a.get('model_path'), raw=a)
+        if alias in a and name not in a:
+            a[name] = a.pop(alias)
+    return dict(
+        engine='sglang',
+        algorithm=a.get('speculative_algorithm'),
+        draft_path=a.get('speculative_draft_model_path'),
+        target_path=a.get('model_path'),
+        raw=a,
+    )
 
-def _vllm(a:dict, pos:list=())->dict:
+
+def _vllm(a: dict, pos: list = ()) -> dict:
     "Normalized view of `vllm serve` args; the speculative config may be JSON or dotted flags"
     sc = a.get('speculative_config') or {}
     if isinstance(sc, str):
-        try: sc = json.loads(sc)
-        except ValueError as e: raise DoctorError(f"--speculative-config is not valid JSON ({e}): {sc[:80]!r}") from None
+        try:
+            sc = json.loads(sc)
+        except ValueError as e:
+            raise DoctorError(f"--speculative-config is not valid JSON ({e}): {sc[:80]!r}") from None
     sc = {**sc, **{k.split('.', 1)[1]: v for k, v in a.items() if k.startswith('speculative_config.')}}
-    return dict(engine='vllm', algorithm=sc.get('method'), draft_path=sc.get('model'),
-                target_path=pos[0] if pos else a.get('model'), raw={**a, 'speculative_config': sc})
+    return dict(
+        engine='vllm',
+        algorithm=sc.get('method'),
+        draft_path=sc.get('model'),
+        target_path=pos[0] if pos else a.get('model'),
+        raw={**a, 'speculative_config': sc},
+    )
 
 # %% ../nbs/71_doctor.ipynb #d64f96d1
-def _text_of(path_or_text)->str:
+def _text_of(path_or_text) -> str:
     "The text of a file, or the text itself"
     from eagle3nb.recipe import read_text
+
     utf8 = 'save the launch command or server args as UTF-8 text'
-    if isinstance(path_or_text, Path): return read_text(path_or_text, utf8)
+    if isinstance(path_or_text, Path):
+        return read_text(path_or_text, utf8)
     s = str(path_or_text)
     if '\n' not in s and not s.lstrip().startswith('{'):
         try:
-            if Path(s).expanduser().is_file(): return read_text(Path(s).expanduser(), utf8)
-        except OSError: pass  # too long for a file name: it is a command line
-        if not _LAUNCH.search(s): raise DoctorError(f"{s[:120]!r} is neither a file nor an engine launch command")
+            if Path(s).expanduser().is_file():
+                return read_text(Path(s).expanduser(), utf8)
+        except OSError:
+            pass  # too long for a file name: it is a command line
+        if not _LAUNCH.search(s):
+            raise DoctorError(f"{s[:120]!r} is neither a file nor an engine launch command")
     return s
 
-def read_server_args(path_or_text)->dict: # engine, algorithm, draft_path, target_path, raw
+
+def read_server_args(path_or_text) -> dict:  # engine, algorithm, draft_path, target_path, raw
     "How a draft is served, from a launch command, a shell script, or SGLang's `/get_server_info` JSON"
     from eagle3nb.recipe import bad_file
+
     s = _text_of(path_or_text)
     where = str(path_or_text) if s != str(path_or_text) else 'server args'  # the file they came from, when one
     if s.lstrip().startswith('{'):
-        try: d = json.loads(s)
+        try:
+            d = json.loads(s)
         except json.JSONDecodeError as e:
             hint = "give SGLang's server args as JSON (its /get_server_info), or the launch command"
             raise DoctorError(str(bad_file(where, e, hint))) from None
-        if 'speculative_algorithm' in d or 'model_path' in d: return _sglang(d)
-        return _vllm(d) if 'speculative_config' in d else _vllm({'speculative_config': d})  # vLLM args, or just its speculative config
+        if 'speculative_algorithm' in d or 'model_path' in d:
+            return _sglang(d)
+        return (
+            _vllm(d) if 'speculative_config' in d else _vllm({'speculative_config': d})
+        )  # vLLM args, or just its speculative config
     words = _launch_tokens(s)
-    i = next(j for j, w in enumerate(words) if _LAUNCH.search(' '.join(words[max(0, j-1):j+1])))
-    a, pos = _flags(words[i+1:])
-    return _sglang(a) if 'sglang' in ' '.join(words[max(0, i-1):i+1]) else _vllm(a, pos)
+    i = next(j for j, w in enumerate(words) if _LAUNCH.search(' '.join(words[max(0, j - 1) : j + 1])))
+    a, pos = _flags(words[i + 1 :])
+    return _sglang(a) if 'sglang' in ' '.join(words[max(0, i - 1) : i + 1]) else _vllm(a, pos)
 
 # %% ../nbs/71_doctor.ipynb #7bbf62c8
-def server_args_from_url(url:str,          # the server's base URL; a trailing /v1 is dropped
-                         timeout:float=5.0, # seconds
-                        )->dict:           # as `read_server_args`
+def server_args_from_url(
+    url: str,  # the server's base URL; a trailing /v1 is dropped
+    timeout: float = 5.0,  # seconds
+) -> dict:  # as `read_server_args`
     "How a running SGLang server serves its draft, from its `/get_server_info`"
     base = re.sub(r'/v1$', '', url.rstrip('/'))
-    try: r = httpx.get(f'{base}/get_server_info', timeout=timeout)
-    except httpx.HTTPError as e: raise DoctorError(f"cannot reach {base}/get_server_info ({type(e).__name__}): is the server up? Or pass --server-args FILE with its launch command") from None
-    if r.status_code == 404: raise DoctorError(f"{base} has no /get_server_info (HTTP 404): only SGLang publishes its server args; vLLM has no such endpoint, so pass --server-args FILE with the `vllm serve` command instead")
-    if r.status_code != 200: raise DoctorError(f"{base}/get_server_info answered HTTP {r.status_code}: {r.text[:120]}")
-    try: d = r.json()
-    except ValueError: raise DoctorError(f"{base}/get_server_info did not return JSON: {r.text[:120]!r}") from None
-    if not isinstance(d, dict) or 'speculative_algorithm' not in d: raise DoctorError(f"{base}/get_server_info has no speculative_algorithm: not an SGLang server? Pass --server-args FILE instead")
+    try:
+        r = httpx.get(f'{base}/get_server_info', timeout=timeout)
+    except httpx.HTTPError as e:
+        raise DoctorError(
+            f"cannot reach {base}/get_server_info ({type(e).__name__}): is the server up? Or pass --server-args FILE with its launch command"
+        ) from None
+    if r.status_code == 404:
+        raise DoctorError(
+            f"{base} has no /get_server_info (HTTP 404): only SGLang publishes its server args; vLLM has no such endpoint, so pass --server-args FILE with the `vllm serve` command instead"
+        )
+    if r.status_code != 200:
+        raise DoctorError(f"{base}/get_server_info answered HTTP {r.status_code}: {r.text[:120]}")
+    try:
+        d = r.json()
+    except ValueError:
+        raise DoctorError(f"{base}/get_server_info did not return JSON: {r.text[:120]!r}") from None
+    if not isinstance(d, dict) or 'speculative_algorithm' not in d:
+        raise DoctorError(
+            f"{base}/get_server_info has no speculative_algorithm: not an SGLang server? Pass --server-args FILE instead"
+        )
     return _sglang(d)
 
 # %% ../nbs/71_doctor.ipynb #69f0a096
 RECORD = 'eagle3nb.json'
 
-def _no_record(d)->str: return f"no {RECORD} training record in {d}: export with --data DATA_ROOT to check this"
 
-def _read_record(d:Path)->dict|None:
+def _no_record(d) -> str:
+    return f"no {RECORD} training record in {d}: export with --data DATA_ROOT to check this"
+
+
+def _read_record(d: Path) -> dict | None:
     "The training record of export `d`, None if there is none"
-    f = d/RECORD
-    if not f.exists(): return None
-    try: return json.loads(f.read_text())
-    except ValueError as e: raise DoctorError(f"{f} is not valid JSON ({e}); re-export the draft") from None
+    f = d / RECORD
+    if not f.exists():
+        return None
+    try:
+        return json.loads(f.read_text())
+    except ValueError as e:
+        raise DoctorError(f"{f} is not valid JSON ({e}); re-export the draft") from None
 
-def _read_target(d:Path, trust_remote_code:bool):
+
+def _read_target(d: Path, trust_remote_code: bool):
     "The target's (text) config"
-    try: c = AutoConfig.from_pretrained(str(d), trust_remote_code=trust_remote_code)
-    except Exception as e: raise DoctorError(f"cannot read the target's config in {d} ({type(e).__name__}: {str(e)[:200]})") from None
+    try:
+        c = AutoConfig.from_pretrained(str(d), trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise DoctorError(f"cannot read the target's config in {d} ({type(e).__name__}: {str(e)[:200]})") from None
     return c.get_text_config() if hasattr(c, 'get_text_config') else c
 
-def _read_tokenizer(d:Path, trust_remote_code:bool):
-    try: return load_tokenizer(d, trust_remote_code)
-    except Exception as e: raise DoctorError(f"cannot load the target's tokenizer from {d} ({type(e).__name__}: {str(e)[:200]})") from None
+
+def _read_tokenizer(d: Path, trust_remote_code: bool):
+    try:
+        return load_tokenizer(d, trust_remote_code)
+    except Exception as e:
+        raise DoctorError(f"cannot load the target's tokenizer from {d} ({type(e).__name__}: {str(e)[:200]})") from None
 
 # %% ../nbs/71_doctor.ipynb #df9bace5
 class DraftExport:
     "Lazy, checked view of an export folder, its training record and its target"
-    def __init__(self, draft_dir, target_dir, trust_remote_code:bool=False):
+
+    def __init__(self, draft_dir, target_dir, trust_remote_code: bool = False):
         self.dir, self.target_dir, self.trust_remote_code = Path(draft_dir), Path(target_dir), trust_remote_code
+
     record = cached_property(lambda self: _read_record(self.dir))
     target = cached_property(lambda self: _read_target(self.target_dir, self.trust_remote_code))
     tokenizer = cached_property(lambda self: _read_tokenizer(self.target_dir, self.trust_remote_code))
 
     @cached_property
-    def config(self)->dict:
-        f = self.dir/'config.json'
-        try: return json.loads(f.read_text())
-        except (OSError, ValueError) as e: raise DoctorError(f"cannot read {f} ({type(e).__name__}: {e}); re-export the draft with `eagle3nb export`") from None
+    def config(self) -> dict:
+        f = self.dir / 'config.json'
+        try:
+            return json.loads(f.read_text())
+        except (OSError, ValueError) as e:
+            raise DoctorError(
+                f"cannot read {f} ({type(e).__name__}: {e}); re-export the draft with `eagle3nb export`"
+            ) from None
 
-    def key(self, k:str):
+    def key(self, k: str):
         "A config.json value, or DoctorError naming the missing key"
-        if k not in self.config: raise DoctorError(f"{self.dir/'config.json'} has no {k!r}; re-export the draft with `eagle3nb export`")
+        if k not in self.config:
+            raise DoctorError(f"{self.dir / 'config.json'} has no {k!r}; re-export the draft with `eagle3nb export`")
         return self.config[k]
 
     @cached_property
-    def names(self)->set:
-        f = self.dir/'model.safetensors'
+    def names(self) -> set:
+        f = self.dir / 'model.safetensors'
         try:
-            with safe_open(str(f), 'pt') as s: return set(s.keys())
-        except Exception as e: raise DoctorError(f"cannot read {f} ({type(e).__name__}: {e}); re-export the draft with `eagle3nb export`") from None
+            with safe_open(str(f), 'pt') as s:
+                return set(s.keys())
+        except Exception as e:
+            raise DoctorError(
+                f"cannot read {f} ({type(e).__name__}: {e}); re-export the draft with `eagle3nb export`"
+            ) from None
 
-    def shape(self, name:str): return self._get(name, lambda s: tuple(s.get_slice(name).get_shape()))
-    def tensor(self, name:str): return self._get(name, lambda s: s.get_tensor(name))
+    def shape(self, name: str):
+        return self._get(name, lambda s: tuple(s.get_slice(name).get_shape()))
+
+    def tensor(self, name: str):
+        return self._get(name, lambda s: s.get_tensor(name))
+
     def _get(self, name, fn):
-        if name not in self.names: return None
-        with safe_open(str(self.dir/'model.safetensors'), 'pt') as s: return fn(s)
+        if name not in self.names:
+            return None
+        with safe_open(str(self.dir / 'model.safetensors'), 'pt') as s:
+            return fn(s)
 
 # %% ../nbs/71_doctor.ipynb #516df5b1
-def target_lm_head_rows(target_dir,              # the target model folder
-                        ids:torch.Tensor,        # (n,) ascending target ids
-                        chunk:int=8192,          # rows read at once
-                       )->torch.Tensor|None:     # (n, H) in the stored dtype; None: no safetensors head found
+def target_lm_head_rows(
+    target_dir,  # the target model folder
+    ids: torch.Tensor,  # (n,) ascending target ids
+    chunk: int = 8192,  # rows read at once
+) -> torch.Tensor | None:  # (n, H) in the stored dtype; None: no safetensors head found
     "Rows `ids` of the target's lm_head (or tied embedding), read lazily from its safetensors"
-    d = Path(target_dir); idx = d/'model.safetensors.index.json'
-    if idx.exists(): wm = json.loads(idx.read_text())['weight_map']
-    elif (d/'model.safetensors').exists():
-        with safe_open(str(d/'model.safetensors'), 'pt') as f: wm = {k: 'model.safetensors' for k in f.keys()}
-    else: return None
-    names = [sorted((k for k in wm if k.endswith(s) and 'mtp' not in k), key=len) for s in ('lm_head.weight', 'embed_tokens.weight')]
+    d = Path(target_dir)
+    idx = d / 'model.safetensors.index.json'
+    if idx.exists():
+        wm = json.loads(idx.read_text())['weight_map']
+    elif (d / 'model.safetensors').exists():
+        with safe_open(str(d / 'model.safetensors'), 'pt') as f:
+            wm = {k: 'model.safetensors' for k in f.keys()}
+    else:
+        return None
+    names = [
+        sorted((k for k in wm if k.endswith(s) and 'mtp' not in k), key=len)
+        for s in ('lm_head.weight', 'embed_tokens.weight')
+    ]
     name = (names[0] or names[1] or [None])[0]
-    if name is None: return None
+    if name is None:
+        return None
     out = []
-    with safe_open(str(d/wm[name]), 'pt') as f:
+    with safe_open(str(d / wm[name]), 'pt') as f:
         sl = f.get_slice(name)
         for s in range(0, sl.get_shape()[0], chunk):
             sel = ids[(ids >= s) & (ids < s + chunk)] - s
-            if len(sel): out.append(sl[s:s+chunk][sel])  # (n_i, H)
+            if len(sel):
+                out.append(sl[s : s + chunk][sel])  # (n_i, H)
     return torch.cat(out) if out else None
 
 # %% ../nbs/71_doctor.ipynb #a9d95b7a
-CHECKS = ('speculative_algorithm', 'fc_width', 'head_dim', 'aux_layer_ids', 'lm_head', 'vocab_maps', 'special_tokens', 'vocab_size', 'chat_template', 'rope', 'draft_variant', 'engine')
+CHECKS = (
+    'speculative_algorithm',
+    'fc_width',
+    'head_dim',
+    'aux_layer_ids',
+    'lm_head',
+    'vocab_maps',
+    'special_tokens',
+    'vocab_size',
+    'chat_template',
+    'rope',
+    'draft_variant',
+    'engine',
+)
 
-def finding(check:str, status:str, detail:str)->dict:
+
+def finding(check: str, status: str, detail: str) -> dict:
     assert check in CHECKS and status in ('ok', 'FAIL', 'n/a'), (check, status)
     return dict(check=check, status=status, detail=detail)
 
 # %% ../nbs/71_doctor.ipynb #ab741108
-def toy_export(target_dir,          # a toy target folder (see `eagle3nb.toy.ensure_toy`)
-               out_dir,             # the export folder to write
-               draft_vocab:int=256, # Vd
-               seed:int=0,
-               **opts,              # draft family (see `draft.draft_options`): arch, fc_norm, ...
-              )->Path:
+def toy_export(
+    target_dir,  # a toy target folder (see `eagle3nb.toy.ensure_toy`)
+    out_dir,  # the export folder to write
+    draft_vocab: int = 256,  # Vd
+    seed: int = 0,
+    **opts,  # draft family (see `draft.draft_options`): arch, fc_norm, ...
+) -> Path:
     "A small export that passes every check, with its `eagle3nb.json` training record"
-    tc = AutoConfig.from_pretrained(str(target_dir)); t = tc.get_text_config(); tok = load_tokenizer(target_dir)
+    tc = AutoConfig.from_pretrained(str(target_dir))
+    t = tc.get_text_config()
+    tok = load_tokenizer(target_dir)
     sp = family_special_ids(tok)
-    ids = sorted(list(sp.values()) + [i for i in range(t.vocab_size) if i not in set(sp.values())][:draft_vocab - len(sp)])
+    ids = sorted(
+        list(sp.values()) + [i for i in range(t.vocab_size) if i not in set(sp.values())][: draft_vocab - len(sp)]
+    )
     d2t, t2d = vocab_maps(torch.tensor(ids), t.vocab_size)
     tt = target_tensors(target_dir)
     dr = new_draft(tc, tt['embed'], d2t, t2d, seed=seed, lm_head=tt['lm_head'], **opts)
     with torch.no_grad():
-        for p in dr.parameters(): p.add_(torch.randn_like(p) * 0.05)  # stands in for training: every weight leaves its init
-    opt = torch.optim.SGD(dr.parameters(), lr=0.0); sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        for p in dr.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # stands in for training: every weight leaves its init
+    opt = torch.optim.SGD(dr.parameters(), lr=0.0)
+    sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     aux = default_aux_layers(t.num_hidden_layers)
-    run = Path(out_dir).with_name(Path(out_dir).name + '.run')  # the checkpoint stays beside the export: the record names it
+    run = Path(out_dir).with_name(
+        Path(out_dir).name + '.run'
+    )  # the checkpoint stays beside the export: the record names it
     ck = save_checkpoint(run, 1, dr, opt, sch, TrainConfig())
     export_draft(ck, out_dir, target_dir, aux_layers=aux)
-    rec = dict(format=1, checkpoint=str(ck), target=str(target_dir), aux_layers=aux, template_sha256=[template_sha256(tok)],
-               tokenizer_sha256=tokenizer_sha256(target_dir), special_tokens=sp, draft_vocab_size=draft_vocab)
-    (Path(out_dir)/RECORD).write_text(json.dumps(rec, indent=1) + '\n')
+    rec = dict(
+        format=1,
+        checkpoint=str(ck),
+        target=str(target_dir),
+        aux_layers=aux,
+        template_sha256=[template_sha256(tok)],
+        tokenizer_sha256=tokenizer_sha256(target_dir),
+        special_tokens=sp,
+        draft_vocab_size=draft_vocab,
+    )
+    (Path(out_dir) / RECORD).write_text(json.dumps(rec, indent=1) + '\n')
     return Path(out_dir)
 
 # %% ../nbs/71_doctor.ipynb #95b96e61
-def _same_dir(p, d)->bool:
-    try: return Path(p).expanduser().resolve() == Path(d).resolve() or os.path.samefile(Path(p).expanduser(), d)
-    except OSError: return False
+def _same_dir(p, d) -> bool:
+    try:
+        return Path(p).expanduser().resolve() == Path(d).resolve() or os.path.samefile(Path(p).expanduser(), d)
+    except OSError:
+        return False
 
-def _vllm_guess(a:dict)->str|None:
+
+def _vllm_guess(a: dict) -> str | None:
     "vLLM's method when `method` is unset: guessed from the draft's name (vllm/config/speculative.py)"
     name = str(a.get('draft_path') or '').lower()
     return 'eagle' if 'eagle-' in name else 'eagle3' if 'eagle3' in name else None
 
 # %% ../nbs/71_doctor.ipynb #b3cf9c6c
-def check_speculative_algorithm(x:DraftExport, sa:dict=None)->list:
+def check_speculative_algorithm(x: DraftExport, sa: dict = None) -> list:
     "The server runs EAGLE3, on this export"
     n = 'speculative_algorithm'
-    if sa is None: return [finding(n, 'n/a', "give --server-args FILE or --server URL to check how the draft is served")]
+    if sa is None:
+        return [finding(n, 'n/a', "give --server-args FILE or --server URL to check how the draft is served")]
     sg = sa['engine'] == 'sglang'
     fix = '--speculative-algorithm EAGLE3' if sg else 'a --speculative-config with "method": "eagle3"'
     alg = sa['algorithm'] if sg or sa['algorithm'] else _vllm_guess(sa)
-    try: H = x.target.hidden_size; dims = (f'{H}-dim', f'{3*H}-dim')
-    except DoctorError: dims = ('H-dim', '3H-dim')
-    if alg is None: out = [finding(n, 'FAIL', f"{sa['engine']} runs no EAGLE3 speculative decoding (algorithm not set): the target is served without the draft, so nothing gets faster. Relaunch with {fix}.")]
-    elif str(alg).upper() == 'EAGLE3': out = [finding(n, 'ok', f"{sa['engine']} serves with {alg}.")]
-    elif str(alg).upper() == 'EAGLE': out = [finding(n, 'FAIL', f"{sa['engine']} serves the draft with {alg!r}, not EAGLE3: the draft gets the {dims[0]} final state instead of the {dims[1]} concat of 3 aux layers: zero acceptance, no error. Relaunch with {fix}.")]
-    else: out = [finding(n, 'FAIL', f"{sa['engine']} serves with speculative algorithm {alg!r}, not EAGLE3: this EAGLE-3 draft is not used as trained, so acceptance is near zero. Relaunch with {fix}.")]
-    if sg and (why := sglang_problem(x.config)): out.append(finding(n, 'FAIL', why))
+    try:
+        H = x.target.hidden_size
+        dims = (f'{H}-dim', f'{3 * H}-dim')
+    except DoctorError:
+        dims = ('H-dim', '3H-dim')
+    if alg is None:
+        out = [
+            finding(
+                n,
+                'FAIL',
+                f"{sa['engine']} runs no EAGLE3 speculative decoding (algorithm not set): the target is served without the draft, so nothing gets faster. Relaunch with {fix}.",
+            )
+        ]
+    elif str(alg).upper() == 'EAGLE3':
+        out = [finding(n, 'ok', f"{sa['engine']} serves with {alg}.")]
+    elif str(alg).upper() == 'EAGLE':
+        out = [
+            finding(
+                n,
+                'FAIL',
+                f"{sa['engine']} serves the draft with {alg!r}, not EAGLE3: the draft gets the {dims[0]} final state instead of the {dims[1]} concat of 3 aux layers: zero acceptance, no error. Relaunch with {fix}.",
+            )
+        ]
+    else:
+        out = [
+            finding(
+                n,
+                'FAIL',
+                f"{sa['engine']} serves with speculative algorithm {alg!r}, not EAGLE3: this EAGLE-3 draft is not used as trained, so acceptance is near zero. Relaunch with {fix}.",
+            )
+        ]
+    if sg and (why := sglang_problem(x.config)):
+        out.append(finding(n, 'FAIL', why))
     dp = sa['draft_path']
     where = '--speculative-draft-model-path' if sg else 'speculative config "model"'
-    if dp is None: out.append(finding(n, 'FAIL', f"the server args name no draft model ({where}): the engine serves some other draft or none. Point it at {x.dir}."))
-    elif not _same_dir(dp, x.dir): out.append(finding(n, 'FAIL', f"the server loads its draft from {dp}, not this export {x.dir}: nothing checked here applies to what is served. Point the draft path at {x.dir}."))
+    if dp is None:
+        out.append(
+            finding(
+                n,
+                'FAIL',
+                f"the server args name no draft model ({where}): the engine serves some other draft or none. Point it at {x.dir}.",
+            )
+        )
+    elif not _same_dir(dp, x.dir):
+        out.append(
+            finding(
+                n,
+                'FAIL',
+                f"the server loads its draft from {dp}, not this export {x.dir}: nothing checked here applies to what is served. Point the draft path at {x.dir}.",
+            )
+        )
     return out
 
 # %% ../nbs/71_doctor.ipynb #dd56cd63
-def check_fc_width(x:DraftExport)->list:
+def check_fc_width(x: DraftExport) -> list:
     "fc.weight is (target hidden, 3 x target hidden)"
     n, H = 'fc_width', x.target.hidden_size
     s = x.shape('fc.weight')
-    if s is None: return [finding(n, 'FAIL', f"model.safetensors has no fc.weight: the engine has nothing to fuse the aux states with and drafts from random weights. Re-export from a training checkpoint.")]
+    if s is None:
+        return [
+            finding(
+                n,
+                'FAIL',
+                f"model.safetensors has no fc.weight: the engine has nothing to fuse the aux states with and drafts from random weights. Re-export from a training checkpoint.",
+            )
+        ]
     if len(s) != 2 or s[1] != 3 * H:
         k = f"{s[1] / H:g} x" if len(s) == 2 else "not"
-        return [finding(n, 'FAIL', f"fc.weight is {s} and reads {k} the target hidden size {H}, but EAGLE-3 feeds it the concat of 3 aux states ({3*H} wide): the draft was built for another target or aux count, and served it fails to load or drafts garbage. Retrain for this target with 3 aux layers.")]
-    if s[0] != x.key('hidden_size'): return [finding(n, 'FAIL', f"fc.weight has {s[0]} rows but config hidden_size is {x.key('hidden_size')}: config.json and the weights disagree. Re-export.")]
-    if s[0] != H: return [finding(n, 'FAIL', f"the draft is {s[0]} wide but the target is {H}: the draft borrows the target's embeddings, and SGLang's set_embed shares them only when hidden_size equals target_hidden_size (else the draft keeps its own never-loaded embedding, silently); vLLM asserts the widths match. Retrain with the draft hidden_size equal to the target's.")]
+        return [
+            finding(
+                n,
+                'FAIL',
+                f"fc.weight is {s} and reads {k} the target hidden size {H}, but EAGLE-3 feeds it the concat of 3 aux states ({3 * H} wide): the draft was built for another target or aux count, and served it fails to load or drafts garbage. Retrain for this target with 3 aux layers.",
+            )
+        ]
+    if s[0] != x.key('hidden_size'):
+        return [
+            finding(
+                n,
+                'FAIL',
+                f"fc.weight has {s[0]} rows but config hidden_size is {x.key('hidden_size')}: config.json and the weights disagree. Re-export.",
+            )
+        ]
+    if s[0] != H:
+        return [
+            finding(
+                n,
+                'FAIL',
+                f"the draft is {s[0]} wide but the target is {H}: the draft borrows the target's embeddings, and SGLang's set_embed shares them only when hidden_size equals target_hidden_size (else the draft keeps its own never-loaded embedding, silently); vLLM asserts the widths match. Retrain with the draft hidden_size equal to the target's.",
+            )
+        ]
     return [finding(n, 'ok', f"fc.weight {s} reads 3 x {H}.")]
 
 # %% ../nbs/71_doctor.ipynb #4fda5e9b
-def _gpu_note(hd:int)->str:
+def _gpu_note(hd: int) -> str:
     fa = 'FlashAttention has it' if hd % 8 == 0 and hd <= 256 else 'FlashAttention lacks it (multiples of 8 up to 256)'
-    fi = 'FlashInfer has it' if hd in FLASHINFER_HEAD_SIZES else f"FlashInfer lacks it ({', '.join(map(str, FLASHINFER_HEAD_SIZES))})"
+    fi = (
+        'FlashInfer has it'
+        if hd in FLASHINFER_HEAD_SIZES
+        else f"FlashInfer lacks it ({', '.join(map(str, FLASHINFER_HEAD_SIZES))})"
+    )
     return f"on GPUs {fa}, {fi}"
 
-def check_head_dim(x:DraftExport)->list:
+
+def check_head_dim(x: DraftExport) -> list:
     "The draft's attention head size is one the engines' kernels support, and the weights have it"
     n, c = 'head_dim', x.config
     if c.get('kv_lora_rank'):  # an MLA draft: the latent, not a head size, picks the kernel
         w = c['kv_lora_rank'] + (c.get('qk_rope_head_dim') or 0)
-        if w != 576: return [finding(n, 'FAIL', f"MLA draft with kv_lora_rank + qk_rope_head_dim = {w}: vLLM's CPU MLA decode runs only 576 (512 + 64, DeepSeek-V3's and Kimi's sizes); on GPUs check that the MLA backend runs it. Retrain with arch mla on the target's own sizes.")]
-        return [finding(n, 'ok', f"MLA draft: latent {c['kv_lora_rank']} + rope {c['qk_rope_head_dim']} = 576, what vLLM's MLA decode kernels (CPU_MLA here) run.")]
+        if w != 576:
+            return [
+                finding(
+                    n,
+                    'FAIL',
+                    f"MLA draft with kv_lora_rank + qk_rope_head_dim = {w}: vLLM's CPU MLA decode runs only 576 (512 + 64, DeepSeek-V3's and Kimi's sizes); on GPUs check that the MLA backend runs it. Retrain with arch mla on the target's own sizes.",
+                )
+            ]
+        return [
+            finding(
+                n,
+                'ok',
+                f"MLA draft: latent {c['kv_lora_rank']} + rope {c['qk_rope_head_dim']} = 576, what vLLM's MLA decode kernels (CPU_MLA here) run.",
+            )
+        ]
     nh, nkv = c.get('num_attention_heads'), c.get('num_key_value_heads') or c.get('num_attention_heads')
     hd = c.get('head_dim') or (c.get('hidden_size', 0) // nh if nh else None)
-    if not hd: return [finding(n, 'FAIL', "config.json has neither head_dim nor num_attention_heads: the engine cannot size the draft's attention. Re-export.")]
+    if not hd:
+        return [
+            finding(
+                n,
+                'FAIL',
+                "config.json has neither head_dim nor num_attention_heads: the engine cannot size the draft's attention. Re-export.",
+            )
+        ]
     sizes = ', '.join(map(str, ENGINE_HEAD_SIZES))
-    if hd not in ENGINE_HEAD_SIZES: return [finding(n, 'FAIL', f"the draft's attention head size is {hd}, which vLLM's CPU attention does not run (it runs {sizes}); {_gpu_note(hd)}. The engine loads the draft and fails on the first request (\"Unsupported CPU attention configuration: head_dim={hd}\"). Retrain with a supported head size: 128 (train parameter head_dim), or the target's own head_dim.")]
-    want = {'q_proj': (nh * hd, None), 'k_proj': (nkv * hd, None), 'v_proj': (nkv * hd, None), 'o_proj': (None, nh * hd)}
+    if hd not in ENGINE_HEAD_SIZES:
+        return [
+            finding(
+                n,
+                'FAIL',
+                f"the draft's attention head size is {hd}, which vLLM's CPU attention does not run (it runs {sizes}); {_gpu_note(hd)}. The engine loads the draft and fails on the first request (\"Unsupported CPU attention configuration: head_dim={hd}\"). Retrain with a supported head size: 128 (train parameter head_dim), or the target's own head_dim.",
+            )
+        ]
+    want = {
+        'q_proj': (nh * hd, None),
+        'k_proj': (nkv * hd, None),
+        'v_proj': (nkv * hd, None),
+        'o_proj': (None, nh * hd),
+    }
     for p, (rows, cols) in want.items():
         s = x.shape(f'midlayer.self_attn.{p}.weight')
         if s is not None and ((rows and s[0] != rows) or (cols and s[1] != cols)):
-            return [finding(n, 'FAIL', f"midlayer.self_attn.{p}.weight is {s}, but {nh} heads / {nkv} kv heads of size {hd} need {'rows' if rows else 'columns'} = {rows or cols}: config.json and the weights disagree, and the engine fails to load the draft. Re-export.")]
+            return [
+                finding(
+                    n,
+                    'FAIL',
+                    f"midlayer.self_attn.{p}.weight is {s}, but {nh} heads / {nkv} kv heads of size {hd} need {'rows' if rows else 'columns'} = {rows or cols}: config.json and the weights disagree, and the engine fails to load the draft. Re-export.",
+                )
+            ]
     return [finding(n, 'ok', f"head size {hd} runs on vLLM's CPU attention; {_gpu_note(hd)}.")]
 
 # %% ../nbs/71_doctor.ipynb #b7ab8a98
-def _shifted(a, b)->bool: return len(a) == len(b) and (all(p == q + 1 for p, q in zip(a, b)) or all(p == q - 1 for p, q in zip(a, b)))
+def _shifted(a, b) -> bool:
+    return len(a) == len(b) and (all(p == q + 1 for p, q in zip(a, b)) or all(p == q - 1 for p, q in zip(a, b)))
 
-def check_aux_layer_ids(x:DraftExport)->list:
+
+def check_aux_layer_ids(x: DraftExport) -> list:
     "Aux ids present in both conventions, consistent, in range, and the training layers"
     n, N, c = 'aux_layer_ids', x.target.num_hidden_layers, x.config
-    v, s = c.get('eagle_aux_hidden_state_layer_ids'), (c.get('eagle_config') or {}).get('eagle_aux_hidden_state_layer_ids')
-    out = [finding(n, 'FAIL', f"config.json has no {k}: {e} then captures its default layers (2, N//2, N-3) = {[2, N//2, N-3]}, whatever the draft was trained on. Re-export with `eagle3nb export`.")
-           for k, e, val in (('eagle_aux_hidden_state_layer_ids', 'vLLM', v), ('eagle_config.eagle_aux_hidden_state_layer_ids', 'SGLang', s)) if val is None]
-    if out: return out
+    v, s = (
+        c.get('eagle_aux_hidden_state_layer_ids'),
+        (c.get('eagle_config') or {}).get('eagle_aux_hidden_state_layer_ids'),
+    )
+    out = [
+        finding(
+            n,
+            'FAIL',
+            f"config.json has no {k}: {e} then captures its default layers (2, N//2, N-3) = {[2, N // 2, N - 3]}, whatever the draft was trained on. Re-export with `eagle3nb export`.",
+        )
+        for k, e, val in (
+            ('eagle_aux_hidden_state_layer_ids', 'vLLM', v),
+            ('eagle_config.eagle_aux_hidden_state_layer_ids', 'SGLang', s),
+        )
+        if val is None
+    ]
+    if out:
+        return out
     v, s = [int(k) for k in v], [int(k) for k in s]
     if s != [k - 1 for k in v]:
-        why = (f"off by one: SGLang adds 1 to its ids, so it captures {[k + 1 for k in s]} while vLLM captures {v}" if _shifted([k + 1 for k in s], v)
-               else f"SGLang (ids + 1 = {[k + 1 for k in s]}) and vLLM ({v}) capture different layers")
-        out.append(finding(n, 'FAIL', f"eagle_config ids {s} are not the top-level ids {v} minus 1: {why}; one engine feeds the draft the wrong layers: low acceptance, no error. Set eagle_config.eagle_aux_hidden_state_layer_ids to {[k - 1 for k in v]}."))
-    try: check_aux_layers(v, N, 'eagle_aux_hidden_state_layer_ids')
+        why = (
+            f"off by one: SGLang adds 1 to its ids, so it captures {[k + 1 for k in s]} while vLLM captures {v}"
+            if _shifted([k + 1 for k in s], v)
+            else f"SGLang (ids + 1 = {[k + 1 for k in s]}) and vLLM ({v}) capture different layers"
+        )
+        out.append(
+            finding(
+                n,
+                'FAIL',
+                f"eagle_config ids {s} are not the top-level ids {v} minus 1: {why}; one engine feeds the draft the wrong layers: low acceptance, no error. Set eagle_config.eagle_aux_hidden_state_layer_ids to {[k - 1 for k in v]}.",
+            )
+        )
+    try:
+        check_aux_layers(v, N, 'eagle_aux_hidden_state_layer_ids')
     except RecipeError as e:
-        out.append(finding(n, 'FAIL', f"{e}: the draft was made for another target or the config is corrupt. "
-                                      "Re-export with the training aux layers."))
+        out.append(
+            finding(
+                n,
+                'FAIL',
+                f"{e}: the draft was made for another target or the config is corrupt. "
+                "Re-export with the training aux layers.",
+            )
+        )
     r = x.record
     a = [int(k) for k in r.get('aux_layers') or []] if r is not None else None
-    if r is None: out.append(finding(n, 'n/a', _no_record(x.dir)))
-    elif not a: out.append(finding(n, 'n/a', f"the training record in {x.dir} has no aux_layers (the hidden states' layers are unknown)."))
+    if r is None:
+        out.append(finding(n, 'n/a', _no_record(x.dir)))
+    elif not a:
+        out.append(
+            finding(
+                n, 'n/a', f"the training record in {x.dir} has no aux_layers (the hidden states' layers are unknown)."
+            )
+        )
     elif a != v:
         one = 'off by one: ' if _shifted(a, v) else ''
-        out.append(finding(n, 'FAIL', f"{one}the draft was trained on hidden states entering layers {a}, but config.json tells the engines {v}: the served draft sees other layers than in training: low acceptance, no error. Re-export with aux_layers={a}."))
+        out.append(
+            finding(
+                n,
+                'FAIL',
+                f"{one}the draft was trained on hidden states entering layers {a}, but config.json tells the engines {v}: the served draft sees other layers than in training: low acceptance, no error. Re-export with aux_layers={a}.",
+            )
+        )
     return out or [finding(n, 'ok', f"vLLM ids {v}, SGLang ids {s} (+1), the training layers.")]
 
 # %% ../nbs/71_doctor.ipynb #5e99a511
-def _fresh_init(w:torch.Tensor)->bool:
+def _fresh_init(w: torch.Tensor) -> bool:
     "Does (out, in) weight `w` look like nn.Linear's default uniform(-1/sqrt(in), 1/sqrt(in)) init?"
     b, sd = 1 / math.sqrt(w.shape[1]), 1 / math.sqrt(3 * w.shape[1])
-    return bool(w.abs().max() <= b * (1 + 1/128)) and abs(float(w.std()) / sd - 1) < 0.02  # 1/128: bf16 rounding
+    return bool(w.abs().max() <= b * (1 + 1 / 128)) and abs(float(w.std()) / sd - 1) < 0.02  # 1/128: bf16 rounding
 
 # %% ../nbs/71_doctor.ipynb #cc5173ab
-def _draft_tids(x:DraftExport)->torch.Tensor|None:
+def _draft_tids(x: DraftExport) -> torch.Tensor | None:
     "Ascending in-range target ids of the draft vocab, or None if d2t is missing or broken (vocab_maps says why)"
     d2t, V = x.tensor('d2t'), x.config.get('vocab_size')
-    if d2t is None and V is not None and x.config.get('draft_vocab_size') == V: return torch.arange(V)  # full vocab: no map
-    if d2t is None or V is None or d2t.is_floating_point(): return None
+    if d2t is None and V is not None and x.config.get('draft_vocab_size') == V:
+        return torch.arange(V)  # full vocab: no map
+    if d2t is None or V is None or d2t.is_floating_point():
+        return None
     t = torch.arange(len(d2t)) + d2t.long()
     return t if len(t) and bool((t[1:] > t[:-1]).all()) and 0 <= int(t[0]) and int(t[-1]) < V else None
 
-def _copy_of_target(x:DraftExport, w:torch.Tensor)->float|None:
+
+def _copy_of_target(x: DraftExport, w: torch.Tensor) -> float | None:
     "Share of lm_head rows identical to the target's rows of the same ids; None if not comparable"
     tids = _draft_tids(x)
-    if tids is None or len(tids) != len(w): return None
+    if tids is None or len(tids) != len(w):
+        return None
     rows = target_lm_head_rows(x.target_dir, tids)
-    if rows is None or rows.shape != w.shape or not rows.is_floating_point() or rows.element_size() == 1: return None  # fp8 heads: skip
+    if rows is None or rows.shape != w.shape or not rows.is_floating_point() or rows.element_size() == 1:
+        return None  # fp8 heads: skip
     return float((rows.to(w.dtype) == w).all(1).float().mean())
 
 # %% ../nbs/71_doctor.ipynb #33ba34e5
-def check_lm_head(x:DraftExport)->list:
+def check_lm_head(x: DraftExport) -> list:
     "lm_head exists, is (Vd, H), and moved away from every known initial value"
     n, Vd, H = 'lm_head', x.key('draft_vocab_size'), x.key('hidden_size')
     w = x.tensor('lm_head.weight')
-    if w is None: return [finding(n, 'FAIL', "model.safetensors has no lm_head.weight: the engines load the draft anyway and keep an untrained head, so no draft token is ever accepted, with no error. Re-export from a training checkpoint that has lm_head.")]
-    if tuple(w.shape) != (Vd, H): return [finding(n, 'FAIL', f"lm_head.weight is {tuple(w.shape)}, config says ({Vd}, {H}) (draft_vocab_size, hidden_size): the engine fails to load it or maps draft ids to the wrong tokens. Re-export.")]
+    if w is None:
+        return [
+            finding(
+                n,
+                'FAIL',
+                "model.safetensors has no lm_head.weight: the engines load the draft anyway and keep an untrained head, so no draft token is ever accepted, with no error. Re-export from a training checkpoint that has lm_head.",
+            )
+        ]
+    if tuple(w.shape) != (Vd, H):
+        return [
+            finding(
+                n,
+                'FAIL',
+                f"lm_head.weight is {tuple(w.shape)}, config says ({Vd}, {H}) (draft_vocab_size, hidden_size): the engine fails to load it or maps draft ids to the wrong tokens. Re-export.",
+            )
+        ]
     wf = w.float()
-    if not torch.isfinite(wf).all(): return [finding(n, 'FAIL', "lm_head.weight has NaN or inf values: training diverged; drafts are garbage. Export an earlier checkpoint.")]
-    if float(wf.max() - wf.min()) == 0: return [finding(n, 'FAIL', f"lm_head.weight is constant ({float(wf[0, 0]):g} everywhere): a placeholder, not a trained head; every draft token is the same guess: zero acceptance. Re-export from a trained checkpoint.")]
-    if _fresh_init(wf): return [finding(n, 'FAIL', f"lm_head.weight looks like a fresh nn.Linear init (every |w| <= 1/sqrt({H}), std {float(wf.std()):.4g} ~ 1/sqrt(3 x {H})): it never trained, so served it is accepted at chance. Export a trained checkpoint.")]
+    if not torch.isfinite(wf).all():
+        return [
+            finding(
+                n,
+                'FAIL',
+                "lm_head.weight has NaN or inf values: training diverged; drafts are garbage. Export an earlier checkpoint.",
+            )
+        ]
+    if float(wf.max() - wf.min()) == 0:
+        return [
+            finding(
+                n,
+                'FAIL',
+                f"lm_head.weight is constant ({float(wf[0, 0]):g} everywhere): a placeholder, not a trained head; every draft token is the same guess: zero acceptance. Re-export from a trained checkpoint.",
+            )
+        ]
+    if _fresh_init(wf):
+        return [
+            finding(
+                n,
+                'FAIL',
+                f"lm_head.weight looks like a fresh nn.Linear init (every |w| <= 1/sqrt({H}), std {float(wf.std()):.4g} ~ 1/sqrt(3 x {H})): it never trained, so served it is accepted at chance. Export a trained checkpoint.",
+            )
+        ]
     same = _copy_of_target(x, w)
-    if same is not None and same > 0.5: return [finding(n, 'FAIL', f"lm_head.weight equals the target's own lm_head rows for the draft vocabulary ({same:.0%} of rows identical): the copy-init never trained. Export a trained checkpoint.")]
-    return [finding(n, 'ok', f"lm_head.weight {tuple(w.shape)} is trained" + ("." if same is not None else " (target lm_head not compared: not found or quantized)."))]
+    if same is not None and same > 0.5:
+        return [
+            finding(
+                n,
+                'FAIL',
+                f"lm_head.weight equals the target's own lm_head rows for the draft vocabulary ({same:.0%} of rows identical): the copy-init never trained. Export a trained checkpoint.",
+            )
+        ]
+    return [
+        finding(
+            n,
+            'ok',
+            f"lm_head.weight {tuple(w.shape)} is trained"
+            + ("." if same is not None else " (target lm_head not compared: not found or quantized)."),
+        )
+    ]
 
 # %% ../nbs/71_doctor.ipynb #0caa24c3
-def check_vocab_maps(x:DraftExport)->list:
+def check_vocab_maps(x: DraftExport) -> list:
     "d2t int64 (Vd,), t2d bool (V,), and both name the same ascending in-range target ids"
     n, V, Vd = 'vocab_maps', x.key('vocab_size'), x.key('draft_vocab_size')
     d2t, t2d = x.tensor('d2t'), x.tensor('t2d')
     if Vd == V:
-        if d2t is None and t2d is None: return [finding(n, 'ok', f"the draft covers the whole vocabulary ({V} ids) and carries no d2t/t2d, as vLLM and SGLang expect.")]
-        return [finding(n, 'FAIL', f"the draft covers the whole vocabulary (draft_vocab_size = vocab_size = {V}) but model.safetensors has {' and '.join(k for k, t in (('d2t', d2t), ('t2d', t2d)) if t is not None)}: vLLM 0.32 has no draft_id_to_target_id for a full-vocabulary draft and fails to load it (\"There is no module or parameter named 'draft_id_to_target_id'\"). Re-export with eagle3nb export, which leaves the maps out.")]
-    if d2t is None or t2d is None: return [finding(n, 'FAIL', f"model.safetensors has no {'d2t' if d2t is None else 't2d'}: the engine then maps draft ids to the wrong target tokens, and nearly nothing is accepted. Re-export from a training checkpoint.")]
-    F = lambda s: finding(n, 'FAIL', s + " The draft then proposes the wrong target tokens: low acceptance, no error. Rebuild the maps (eagle3nb vocab) and re-export.")
-    out = [F(f"{k} is {str(t.dtype)[6:]}, not {str(want)[6:]}.") for k, t, want in (('d2t', d2t, torch.int64), ('t2d', t2d, torch.bool)) if t.dtype != want]
+        if d2t is None and t2d is None:
+            return [
+                finding(
+                    n,
+                    'ok',
+                    f"the draft covers the whole vocabulary ({V} ids) and carries no d2t/t2d, as vLLM and SGLang expect.",
+                )
+            ]
+        return [
+            finding(
+                n,
+                'FAIL',
+                f"the draft covers the whole vocabulary (draft_vocab_size = vocab_size = {V}) but model.safetensors has {' and '.join(k for k, t in (('d2t', d2t), ('t2d', t2d)) if t is not None)}: vLLM 0.32 has no draft_id_to_target_id for a full-vocabulary draft and fails to load it (\"There is no module or parameter named 'draft_id_to_target_id'\"). Re-export with eagle3nb export, which leaves the maps out.",
+            )
+        ]
+    if d2t is None or t2d is None:
+        return [
+            finding(
+                n,
+                'FAIL',
+                f"model.safetensors has no {'d2t' if d2t is None else 't2d'}: the engine then maps draft ids to the wrong target tokens, and nearly nothing is accepted. Re-export from a training checkpoint.",
+            )
+        ]
+    F = lambda s: finding(
+        n,
+        'FAIL',
+        s
+        + " The draft then proposes the wrong target tokens: low acceptance, no error. Rebuild the maps (eagle3nb vocab) and re-export.",
+    )
+    out = [
+        F(f"{k} is {str(t.dtype)[6:]}, not {str(want)[6:]}.")
+        for k, t, want in (('d2t', d2t, torch.int64), ('t2d', t2d, torch.bool))
+        if t.dtype != want
+    ]
     d2t, t2d = d2t.long(), t2d.bool()
-    if len(d2t) != Vd: out.append(F(f"d2t has {len(d2t)} entries, draft_vocab_size is {Vd}."))
-    if len(t2d) != V: out.append(F(f"t2d has length {len(t2d)}, vocab_size is {V}."))
-    if int(t2d.sum()) != Vd: out.append(F(f"t2d.sum() is {int(t2d.sum())}: it marks {int(t2d.sum())} target ids, but draft_vocab_size is {Vd}."))
+    if len(d2t) != Vd:
+        out.append(F(f"d2t has {len(d2t)} entries, draft_vocab_size is {Vd}."))
+    if len(t2d) != V:
+        out.append(F(f"t2d has length {len(t2d)}, vocab_size is {V}."))
+    if int(t2d.sum()) != Vd:
+        out.append(
+            F(f"t2d.sum() is {int(t2d.sum())}: it marks {int(t2d.sum())} target ids, but draft_vocab_size is {Vd}.")
+        )
     tids = torch.arange(len(d2t)) + d2t
     bad = ((tids < 0) | (tids >= V)).nonzero().flatten()
-    if len(bad): out.append(F(f"{len(bad)} draft ids map outside the target vocabulary [0, {V}) (e.g. draft {int(bad[0])} -> target {int(tids[bad[0]])})."))
+    if len(bad):
+        out.append(
+            F(
+                f"{len(bad)} draft ids map outside the target vocabulary [0, {V}) (e.g. draft {int(bad[0])} -> target {int(tids[bad[0]])})."
+            )
+        )
     down = (tids[1:] <= tids[:-1]).nonzero().flatten()
-    if len(down): out.append(F(f"target ids i + d2t[i] are not strictly increasing (draft {int(down[0])} -> {int(tids[down[0]])}, draft {int(down[0]) + 1} -> {int(tids[down[0] + 1])})."))
-    if not out and not torch.equal(t2d.nonzero().flatten(), tids): out.append(F("t2d does not mark exactly the target ids d2t maps to."))
-    return out or [finding(n, 'ok', f"d2t maps {Vd} draft ids to ascending target ids in [0, {V}); t2d marks exactly them.")]
+    if len(down):
+        out.append(
+            F(
+                f"target ids i + d2t[i] are not strictly increasing (draft {int(down[0])} -> {int(tids[down[0]])}, draft {int(down[0]) + 1} -> {int(tids[down[0] + 1])})."
+            )
+        )
+    if not out and not torch.equal(t2d.nonzero().flatten(), tids):
+        out.append(F("t2d does not mark exactly the target ids d2t maps to."))
+    return out or [
+        finding(n, 'ok', f"d2t maps {Vd} draft ids to ascending target ids in [0, {V}); t2d marks exactly them.")
+    ]
 
 # %% ../nbs/71_doctor.ipynb #9694167d
-def check_special_tokens(x:DraftExport)->list:
+def check_special_tokens(x: DraftExport) -> list:
     "Every training special token and the target's EOS are in the draft vocabulary"
     n, tids = 'special_tokens', _draft_tids(x)
-    if tids is None: return [finding(n, 'FAIL', "cannot tell which target ids the draft proposes: d2t is missing or broken (see vocab_maps).")]
+    if tids is None:
+        return [
+            finding(
+                n, 'FAIL', "cannot tell which target ids the draft proposes: d2t is missing or broken (see vocab_maps)."
+            )
+        ]
     tok, ids = x.tokenizer, {}
-    if tok.eos_token: ids[tok.eos_token] = tok.convert_tokens_to_ids(tok.eos_token)
+    if tok.eos_token:
+        ids[tok.eos_token] = tok.convert_tokens_to_ids(tok.eos_token)
     r = x.record
-    if r is not None: ids.update({t: int(v['id'] if isinstance(v, dict) else v) for t, v in (r.get('special_tokens') or {}).items()})
+    if r is not None:
+        ids.update({t: int(v['id'] if isinstance(v, dict) else v) for t, v in (r.get('special_tokens') or {}).items()})
     have = set(tids.tolist())
     miss = [f"{t} ({i})" for t, i in ids.items() if i not in have]
-    out = [finding(n, 'FAIL', f"special token(s) {', '.join(miss)} are supervised in training or end the target's turns but are not in the draft vocabulary: the draft can never propose them, so every such boundary is a guaranteed rejection. Rebuild the vocab with them forced in (eagle3nb vocab), retrain and re-export.")] if miss else \
-          [finding(n, 'ok', f"{len(ids)} special token(s) in the draft vocabulary ({', '.join(ids)}).")]
-    if r is None: out.append(finding(n, 'n/a', _no_record(x.dir) + " (only the EOS token was checked)."))
+    out = (
+        [
+            finding(
+                n,
+                'FAIL',
+                f"special token(s) {', '.join(miss)} are supervised in training or end the target's turns but are not in the draft vocabulary: the draft can never propose them, so every such boundary is a guaranteed rejection. Rebuild the vocab with them forced in (eagle3nb vocab), retrain and re-export.",
+            )
+        ]
+        if miss
+        else [finding(n, 'ok', f"{len(ids)} special token(s) in the draft vocabulary ({', '.join(ids)}).")]
+    )
+    if r is None:
+        out.append(finding(n, 'n/a', _no_record(x.dir) + " (only the EOS token was checked)."))
     return out
 
 # %% ../nbs/71_doctor.ipynb #5dd856f7
-def check_vocab_size(x:DraftExport)->list:
+def check_vocab_size(x: DraftExport) -> list:
     "Vocabulary and hidden sizes match the target"
     n, t, c = 'vocab_size', x.target, x.config
     V, H = t.vocab_size, t.hidden_size
-    F = lambda s: finding(n, 'FAIL', s + " The draft was made for another target: it maps tokens or features wrong when served. Export it against this target, or retrain.")
-    out = [F(f"config {k} is {c.get(k)}, the target's {what} is {want}.") for k, what, want in
-           (('vocab_size', 'vocab_size', V), ('hidden_size', 'hidden_size', H), ('target_hidden_size', 'hidden_size', H)) if c.get(k) != want]
+    F = lambda s: finding(
+        n,
+        'FAIL',
+        s
+        + " The draft was made for another target: it maps tokens or features wrong when served. Export it against this target, or retrain.",
+    )
+    out = [
+        F(f"config {k} is {c.get(k)}, the target's {what} is {want}.")
+        for k, what, want in (
+            ('vocab_size', 'vocab_size', V),
+            ('hidden_size', 'hidden_size', H),
+            ('target_hidden_size', 'hidden_size', H),
+        )
+        if c.get(k) != want
+    ]
     sh = x.shape('t2d')
-    if sh is not None and sh[0] != V: out.append(F(f"t2d has length {sh[0]}, the target's vocab_size is {V}."))
+    if sh is not None and sh[0] != V:
+        out.append(F(f"t2d has length {sh[0]}, the target's vocab_size is {V}."))
     r = x.record
     if r is not None and r.get('draft_vocab_size') not in (None, c.get('draft_vocab_size')):
-        out.append(finding(n, 'FAIL', f"config draft_vocab_size is {c.get('draft_vocab_size')} but the training record says {r['draft_vocab_size']}: the export and its record come from different runs. Re-export the checkpoint the record names."))
+        out.append(
+            finding(
+                n,
+                'FAIL',
+                f"config draft_vocab_size is {c.get('draft_vocab_size')} but the training record says {r['draft_vocab_size']}: the export and its record come from different runs. Re-export the checkpoint the record names.",
+            )
+        )
     return out or [finding(n, 'ok', f"vocab_size {V} and hidden size {H} match the target.")]
 
 # %% ../nbs/71_doctor.ipynb #95b166d8
-def check_chat_template(x:DraftExport)->list:
+def check_chat_template(x: DraftExport) -> list:
     "Every template hash of the training data equals the target's"
     n, r = 'chat_template', x.record
-    if r is None: return [finding(n, 'n/a', _no_record(x.dir))]
+    if r is None:
+        return [finding(n, 'n/a', _no_record(x.dir))]
     hs = r.get('template_sha256') or []
     hs = [hs] if isinstance(hs, str) else list(hs)
-    if not hs: return [finding(n, 'n/a', f"the training record in {x.dir} lists no template_sha256.")]
+    if not hs:
+        return [finding(n, 'n/a', f"the training record in {x.dir} lists no template_sha256.")]
     sha = template_sha256(x.tokenizer)
     bad = [h for h in hs if h != sha]
-    if bad: return [finding(n, 'FAIL', f"the training data was rendered with chat template sha256 {', '.join(h[:12] for h in bad)}, but the target's template is {sha[:12]}: the draft learned another prompt layout, so acceptance drops with no error. Re-render the data with the target's template and retrain, or serve the target with the training template.")]
+    if bad:
+        return [
+            finding(
+                n,
+                'FAIL',
+                f"the training data was rendered with chat template sha256 {', '.join(h[:12] for h in bad)}, but the target's template is {sha[:12]}: the draft learned another prompt layout, so acceptance drops with no error. Re-render the data with the target's template and retrain, or serve the target with the training template.",
+            )
+        ]
     return [finding(n, 'ok', f"training data and target share chat template sha256 {sha[:12]}.")]
 
 # %% ../nbs/71_doctor.ipynb #a6ecb1fe
-_RS_KEYS = ('factor', 'original_max_position_embeddings', 'beta_fast', 'beta_slow', 'mscale', 'mscale_all_dim', 'attention_factor')
+_RS_KEYS = (
+    'factor',
+    'original_max_position_embeddings',
+    'beta_fast',
+    'beta_slow',
+    'mscale',
+    'mscale_all_dim',
+    'attention_factor',
+)
 
-def _rope_of(c)->tuple: # theta, scaling (None: plain)
+
+def _rope_of(c) -> tuple:  # theta, scaling (None: plain)
     "Rope theta and scaling of a config dict or an HF config"
     get = c.get if isinstance(c, dict) else (lambda k, d=None: getattr(c, k, d))
     rp = dict(get('rope_parameters') or get('rope_scaling') or {})
     return float(rp.get('rope_theta', get('rope_theta', 10000.0) or 10000.0)), _rope_scaling(rp)
 
-def _same_rope(a:tuple, b:tuple)->bool:
+
+def _same_rope(a: tuple, b: tuple) -> bool:
     kind = lambda s: str(s.get('rope_type', s.get('type'))).replace('deepseek_', '')
-    if a[0] != b[0] or (a[1] is None) != (b[1] is None): return False
+    if a[0] != b[0] or (a[1] is None) != (b[1] is None):
+        return False
     return a[1] is None or (kind(a[1]) == kind(b[1]) and all(a[1].get(k) == b[1].get(k) for k in _RS_KEYS))
 
-def _rope_text(r:tuple)->str:
-    return f"theta {r[0]:g}, " + (f"{r[1].get('rope_type')} " + ', '.join(f'{k} {r[1][k]:g}' for k in _RS_KEYS if r[1].get(k) is not None) if r[1] else 'plain')
+
+def _rope_text(r: tuple) -> str:
+    return f"theta {r[0]:g}, " + (
+        f"{r[1].get('rope_type')} " + ', '.join(f'{k} {r[1][k]:g}' for k in _RS_KEYS if r[1].get(k) is not None)
+        if r[1]
+        else 'plain'
+    )
 
 # %% ../nbs/71_doctor.ipynb #2053c4c1
-def _trained_config(x:DraftExport)->dict|None:
+def _trained_config(x: DraftExport) -> dict | None:
     "The DraftConfig dict of the training checkpoint the record names, when it is still there"
     ck = (x.record or {}).get('checkpoint')
-    f = Path(ck)/'model.safetensors' if ck else None
-    if not f or not f.exists(): return None
-    with safe_open(str(f), 'pt') as s: return json.loads((s.metadata() or {}).get('draft_config', 'null'))
+    f = Path(ck) / 'model.safetensors' if ck else None
+    if not f or not f.exists():
+        return None
+    with safe_open(str(f), 'pt') as s:
+        return json.loads((s.metadata() or {}).get('draft_config', 'null'))
 
-def check_rope(x:DraftExport)->list:
+
+def check_rope(x: DraftExport) -> list:
     "The export's rope equals the target's (theta and scaling), and the training checkpoint's"
     n, t, d = 'rope', _rope_of(x.target), _rope_of(x.config)
     out = []
-    if not _same_rope(d, t): out.append(finding(n, 'FAIL', f"the draft is served with rope ({_rope_text(d)}) but the target rotates with ({_rope_text(t)}): the draft's attention sees other angles than the target's layers at every position past the YaRN ramp, so acceptance drops on long contexts with no error. Retrain with eagle3nb (the draft takes the target's rope) and re-export."))
+    if not _same_rope(d, t):
+        out.append(
+            finding(
+                n,
+                'FAIL',
+                f"the draft is served with rope ({_rope_text(d)}) but the target rotates with ({_rope_text(t)}): the draft's attention sees other angles than the target's layers at every position past the YaRN ramp, so acceptance drops on long contexts with no error. Retrain with eagle3nb (the draft takes the target's rope) and re-export.",
+            )
+        )
     tc = _trained_config(x)
     if tc is not None and not _same_rope(d, (float(tc.get('rope_theta', 10000.0)), tc.get('rope_scaling'))):
-        out.append(finding(n, 'FAIL', f"config.json says rope ({_rope_text(d)}) but the draft was trained with ({_rope_text((float(tc['rope_theta']), tc.get('rope_scaling')))}) (checkpoint {x.record['checkpoint']}): served it rotates differently from training. Re-export the checkpoint with eagle3nb export."))
-    return out or [finding(n, 'ok', f"draft and target rotate alike ({_rope_text(t)})" + ("; as in training." if tc is not None else "."))]
+        out.append(
+            finding(
+                n,
+                'FAIL',
+                f"config.json says rope ({_rope_text(d)}) but the draft was trained with ({_rope_text((float(tc['rope_theta']), tc.get('rope_scaling')))}) (checkpoint {x.record['checkpoint']}): served it rotates differently from training. Re-export the checkpoint with eagle3nb export.",
+            )
+        )
+    return out or [
+        finding(
+            n,
+            'ok',
+            f"draft and target rotate alike ({_rope_text(t)})" + ("; as in training." if tc is not None else "."),
+        )
+    ]
 
 # %% ../nbs/71_doctor.ipynb #38dd25f3
-LOADERS = {'llama': 'vLLM llama_eagle3.py / SGLang llama_eagle3.py', 'mla': 'vLLM deepseek_eagle3.py / SGLang kimi_k25_eagle3.py'}
-_ARCH_OF = {'LlamaForCausalLMEagle3': 'llama', 'Eagle3LlamaForCausalLM': 'llama', 'Eagle3DeepseekV2ForCausalLM': 'mla', 'Eagle3DeepseekV3ForCausalLM': 'mla'}
+LOADERS = {
+    'llama': 'vLLM llama_eagle3.py / SGLang llama_eagle3.py',
+    'mla': 'vLLM deepseek_eagle3.py / SGLang kimi_k25_eagle3.py',
+}
+_ARCH_OF = {
+    'LlamaForCausalLMEagle3': 'llama',
+    'Eagle3LlamaForCausalLM': 'llama',
+    'Eagle3DeepseekV2ForCausalLM': 'mla',
+    'Eagle3DeepseekV3ForCausalLM': 'mla',
+}
 
-def _mla_shapes(c:dict)->dict: # weight name -> (rows, cols) the config implies
+
+def _mla_shapes(c: dict) -> dict:  # weight name -> (rows, cols) the config implies
     H, nh, ql, r = c['hidden_size'], c['num_attention_heads'], c['q_lora_rank'], c['kv_lora_rank']
     nope, dr, dv = c['qk_nope_head_dim'], c['qk_rope_head_dim'], c['v_head_dim']
-    return {'q_a_proj': (ql, 2*H), 'q_b_proj': (nh * (nope + dr), ql), 'kv_a_proj_with_mqa': (r + dr, 2*H),
-            'kv_b_proj': (nh * (nope + dv), r), 'o_proj': (H, nh * dv)}
+    return {
+        'q_a_proj': (ql, 2 * H),
+        'q_b_proj': (nh * (nope + dr), ql),
+        'kv_a_proj_with_mqa': (r + dr, 2 * H),
+        'kv_b_proj': (nh * (nope + dv), r),
+        'o_proj': (H, nh * dv),
+    }
 
 # %% ../nbs/71_doctor.ipynb #491392e1
-def _mla_findings(x:DraftExport, F)->list:
+def _mla_findings(x: DraftExport, F) -> list:
     "MLA draft: model_type, sizes equal to the target's and to the weights', no norm_before_fc"
     c, t, out = x.config, x.target, []
     if c.get('model_type') != 'deepseek_v2':
-        out.append(F(f"model_type {c.get('model_type')!r} for an MLA draft: vLLM 0.32 rewrites a deepseek_v3 draft config to DeepSeek MTP and refuses it ('Eagle3DeepSeekMTPModel' not supported), and other types lose the MLA sizes. Write model_type deepseek_v2 (eagle3nb export does)."))
+        out.append(
+            F(
+                f"model_type {c.get('model_type')!r} for an MLA draft: vLLM 0.32 rewrites a deepseek_v3 draft config to DeepSeek MTP and refuses it ('Eagle3DeepSeekMTPModel' not supported), and other types lose the MLA sizes. Write model_type deepseek_v2 (eagle3nb export does)."
+            )
+        )
     miss = [k for k in MLA_KEYS if not c.get(k)]
-    if miss: return out + [F(f"config.json has no {', '.join(miss)}: the engine cannot size the MLA layer. Re-export.")]
+    if miss:
+        return out + [F(f"config.json has no {', '.join(miss)}: the engine cannot size the MLA layer. Re-export.")]
     diff = [f"{k} {c[k]} (target {getattr(t, k, None)})" for k in MLA_KEYS if c[k] != getattr(t, k, None)]
-    if diff: out.append(F(f"the draft's MLA sizes differ from the target's: {', '.join(diff)}: the Kimi MLA draft shares the target's latent layout (and vLLM's CPU MLA kernel runs only kv_lora_rank + qk_rope_head_dim = 576). Retrain with arch mla, which takes the target's sizes."))
+    if diff:
+        out.append(
+            F(
+                f"the draft's MLA sizes differ from the target's: {', '.join(diff)}: the Kimi MLA draft shares the target's latent layout (and vLLM's CPU MLA kernel runs only kv_lora_rank + qk_rope_head_dim = 576). Retrain with arch mla, which takes the target's sizes."
+            )
+        )
     for p, want in _mla_shapes(c).items():
         s = x.shape(f'midlayer.self_attn.{p}.weight')
-        if s != want: out.append(F(f"midlayer.self_attn.{p}.weight is {s}, config.json implies {want}: config and weights disagree and the engine fails to load them. Re-export."))
-    if c.get('norm_before_fc'): out.append(F("norm_before_fc on an MLA draft: vLLM's deepseek_eagle3.py and SGLang's kimi_k25_eagle3.py have no input_norm, so it is refused or dropped. Retrain with fc_norm instead."))
+        if s != want:
+            out.append(
+                F(
+                    f"midlayer.self_attn.{p}.weight is {s}, config.json implies {want}: config and weights disagree and the engine fails to load them. Re-export."
+                )
+            )
+    if c.get('norm_before_fc'):
+        out.append(
+            F(
+                "norm_before_fc on an MLA draft: vLLM's deepseek_eagle3.py and SGLang's kimi_k25_eagle3.py have no input_norm, so it is refused or dropped. Retrain with fc_norm instead."
+            )
+        )
     return out
 
 # %% ../nbs/71_doctor.ipynb #77a94ad7
-def check_draft_variant(x:DraftExport)->list:
+def check_draft_variant(x: DraftExport) -> list:
     "Architecture name, model_type, MLA sizes and 3.1 flags agree with the weights, the target and the training run"
     n, c, names = 'draft_variant', x.config, x.names
     F = lambda s: finding(n, 'FAIL', s)
     name = (c.get('architectures') or ['(none)'])[0]
     arch, has_mla = _ARCH_OF.get(name), any('kv_a_proj_with_mqa' in k for k in names)
-    if arch is None: return [F(f"architecture {name!r} is no EAGLE-3 draft class vLLM 0.32 or SGLang loads ({', '.join(_ARCH_OF)}). Re-export with eagle3nb export.")]
+    if arch is None:
+        return [
+            F(
+                f"architecture {name!r} is no EAGLE-3 draft class vLLM 0.32 or SGLang loads ({', '.join(_ARCH_OF)}). Re-export with eagle3nb export."
+            )
+        ]
     if has_mla != (arch == 'mla'):
-        what = 'an MLA layer (q_a_proj, kv_a_proj_with_mqa, ...)' if has_mla else 'a Llama attention (q_proj, k_proj, v_proj)'
-        return [F(f"model.safetensors holds {what} but config.json names {name}: the engine builds the other layer and fails to load these weights (vLLM) or skips them and drafts with an untrained attention (SGLang). Re-export with eagle3nb export, which names an mla draft {ARCH_NAMES['mla'][0]}.")]
+        what = (
+            'an MLA layer (q_a_proj, kv_a_proj_with_mqa, ...)'
+            if has_mla
+            else 'a Llama attention (q_proj, k_proj, v_proj)'
+        )
+        return [
+            F(
+                f"model.safetensors holds {what} but config.json names {name}: the engine builds the other layer and fails to load these weights (vLLM) or skips them and drafts with an untrained attention (SGLang). Re-export with eagle3nb export, which names an mla draft {ARCH_NAMES['mla'][0]}."
+            )
+        ]
     out = []
-    if arch == 'mla': out += _mla_findings(x, F)
-    out += [F(f"{p}: " + ("the engine keeps that norm's initial weight of ones, not what was trained: lower acceptance, no error." if ' is set but ' in p else "vLLM drops or refuses those tensors and SGLang skips them: the draft is served without the norm it was trained with.") + " Re-export from the training checkpoint.") for p in flag_mismatches(c, names)]
+    if arch == 'mla':
+        out += _mla_findings(x, F)
+    out += [
+        F(
+            f"{p}: "
+            + (
+                "the engine keeps that norm's initial weight of ones, not what was trained: lower acceptance, no error."
+                if ' is set but ' in p
+                else "vLLM drops or refuses those tensors and SGLang skips them: the draft is served without the norm it was trained with."
+            )
+            + " Re-export from the training checkpoint."
+        )
+        for p in flag_mismatches(c, names)
+    ]
     tc = _trained_config(x)
     if tc is not None and (diff := [f for f in FLAGS if bool(tc.get(f)) != bool(c.get(f))]):
-        out.append(F(f"config.json and the training checkpoint disagree on {', '.join(f'{f} (config {bool(c.get(f))}, trained {bool(tc.get(f))})' for f in diff)}: the engine computes another draft than the one trained (norm_output changes which state is fed back). Re-export the checkpoint with eagle3nb export."))
+        out.append(
+            F(
+                f"config.json and the training checkpoint disagree on {', '.join(f'{f} (config {bool(c.get(f))}, trained {bool(tc.get(f))})' for f in diff)}: the engine computes another draft than the one trained (norm_output changes which state is fed back). Re-export the checkpoint with eagle3nb export."
+            )
+        )
     flags = [f for f in FLAGS if c.get(f)]
-    return out or [finding(n, 'ok', f"{name} ({arch}): names and keys as {LOADERS[arch]} read them; 3.1 flags: {', '.join(flags) or 'none'}.")]
+    return out or [
+        finding(
+            n,
+            'ok',
+            f"{name} ({arch}): names and keys as {LOADERS[arch]} read them; 3.1 flags: {', '.join(flags) or 'none'}.",
+        )
+    ]
 
 # %% ../nbs/71_doctor.ipynb #7f05d061
-def _row(name:str, fn, *args)->dict:
+def _row(name: str, fn, *args) -> dict:
     "Run one check; fold its findings into one row"
-    try: fs = fn(*args)
-    except DoctorError as e: fs = [finding(name, 'FAIL', str(e))]
-    except Exception as e: fs = [finding(name, 'FAIL', f"could not check {name}: {type(e).__name__}: {str(e)[:200]}")]
+    try:
+        fs = fn(*args)
+    except DoctorError as e:
+        fs = [finding(name, 'FAIL', str(e))]
+    except Exception as e:
+        fs = [finding(name, 'FAIL', f"could not check {name}: {type(e).__name__}: {str(e)[:200]}")]
     st = 'FAIL' if any(f['status'] == 'FAIL' for f in fs) else 'ok' if any(f['status'] == 'ok' for f in fs) else 'n/a'
-    return dict(check=name, status=st, detail=' | '.join(f['detail'] for f in fs if st != 'FAIL' or f['status'] == 'FAIL'))
+    return dict(
+        check=name, status=st, detail=' | '.join(f['detail'] for f in fs if st != 'FAIL' or f['status'] == 'FAIL')
+    )
 
 # %% ../nbs/71_doctor.ipynb #e3e8bb0e
-ENGINE_PROMPTS = ('Write a Python function that reverses a list.', 'What is the capital of France?',
-                  'Explain what a hash table is in one sentence.', 'List three prime numbers.')
+ENGINE_PROMPTS = (
+    'Write a Python function that reverses a list.',
+    'What is the capital of France?',
+    'Explain what a hash table is in one sentence.',
+    'List three prime numbers.',
+)
 
-def check_engine(x:DraftExport, max_tokens:int=32)->list:
+
+def check_engine(x: DraftExport, max_tokens: int = 32) -> list:
     "Serve the draft in vLLM: loaded, greedy output unchanged, drafts accepted"
     from eagle3nb.engine import verify_served, engine_available, SILENT_SIGNS
-    if not engine_available(): return [finding('engine', 'n/a', 'no vLLM engine here (make engine, or set EAGLE3NB_VLLM)')]
+
+    if not engine_available():
+        return [finding('engine', 'n/a', 'no vLLM engine here (make engine, or set EAGLE3NB_VLLM)')]
     tok = x.tokenizer
-    ps = [list(tok.apply_chat_template([dict(role='user', content=p)], add_generation_prompt=True, tokenize=True, return_dict=False)) for p in ENGINE_PROMPTS]
+    ps = [
+        list(
+            tok.apply_chat_template(
+                [dict(role='user', content=p)], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for p in ENGINE_PROMPTS
+    ]
     r = verify_served(x.target_dir, x.dir, ps, max_tokens, 3)
-    if not r['loaded']: return [finding('engine', 'FAIL', f"vLLM did not serve the draft: {r['error']}")]
+    if not r['loaded']:
+        return [finding('engine', 'FAIL', f"vLLM did not serve the draft: {r['error']}")]
     silent = [w for w in r['warnings'] if any(s in w for s in SILENT_SIGNS)]
-    if silent: return [finding('engine', 'FAIL', f"vLLM serves it other than as trained: {' | '.join(silent)}")]
-    if r['greedy_identical'] != len(ps): return [finding('engine', 'FAIL', f"greedy output changed with the draft on {len(ps) - r['greedy_identical']} of {len(ps)} prompts")]
-    if not r['accepted']: return [finding('engine', 'FAIL', f"vLLM accepted none of {r['draft_tokens']} draft tokens")]
-    return [finding('engine', 'ok', f"vLLM serves it: greedy {len(ps)}/{len(ps)} identical, accept length {r['accept_length']:.2f} at 3 draft tokens")]
+    if silent:
+        return [finding('engine', 'FAIL', f"vLLM serves it other than as trained: {' | '.join(silent)}")]
+    if r['greedy_identical'] != len(ps):
+        return [
+            finding(
+                'engine',
+                'FAIL',
+                f"greedy output changed with the draft on {len(ps) - r['greedy_identical']} of {len(ps)} prompts",
+            )
+        ]
+    if not r['accepted']:
+        return [finding('engine', 'FAIL', f"vLLM accepted none of {r['draft_tokens']} draft tokens")]
+    return [
+        finding(
+            'engine',
+            'ok',
+            f"vLLM serves it: greedy {len(ps)}/{len(ps)} identical, accept length {r['accept_length']:.2f} at 3 draft tokens",
+        )
+    ]
 
 # %% ../nbs/71_doctor.ipynb #e95e16fc
 def _served(server_args, server):
     "The speculative_algorithm check's input: normalized args, None, or the DoctorError to report"
     try:
-        if server_args: return read_server_args(server_args)
-        if server: return server_args_from_url(server)
-    except DoctorError as e: return e
+        if server_args:
+            return read_server_args(server_args)
+        if server:
+            return server_args_from_url(server)
+    except DoctorError as e:
+        return e
     return None
 
-def doctor(draft_dir,            # an export folder (config.json, model.safetensors, maybe eagle3nb.json)
-           target_dir,           # the target model folder
-           server_args=None,     # a launch command or script (file or text), or SGLang server-info JSON
-           server:str=None,      # a running SGLang server's URL
-           trust_remote_code:bool=False, # for the target's config and tokenizer (real Kimi needs it)
-           engine:bool=False,    # also serve the draft in vLLM (the `engine` row); off: n/a
-          )->pd.DataFrame:       # columns check, status, detail; one row per check
+
+def doctor(
+    draft_dir,  # an export folder (config.json, model.safetensors, maybe eagle3nb.json)
+    target_dir,  # the target model folder
+    server_args=None,  # a launch command or script (file or text), or SGLang server-info JSON
+    server: str = None,  # a running SGLang server's URL
+    trust_remote_code: bool = False,  # for the target's config and tokenizer (real Kimi needs it)
+    engine: bool = False,  # also serve the draft in vLLM (the `engine` row); off: n/a
+) -> pd.DataFrame:  # columns check, status, detail; one row per check
     "Check an exported draft against its target and how it is served"
     x, sa = DraftExport(draft_dir, target_dir, trust_remote_code), _served(server_args, server)
+
     def spec(x):
-        if isinstance(sa, DoctorError): raise sa
+        if isinstance(sa, DoctorError):
+            raise sa
         return check_speculative_algorithm(x, sa)
-    fns = dict(speculative_algorithm=spec, fc_width=check_fc_width, head_dim=check_head_dim, aux_layer_ids=check_aux_layer_ids, lm_head=check_lm_head,
-               vocab_maps=check_vocab_maps, special_tokens=check_special_tokens, vocab_size=check_vocab_size, chat_template=check_chat_template,
-               rope=check_rope, draft_variant=check_draft_variant,
-               engine=check_engine if engine else lambda x: [finding('engine', 'n/a', 'not asked (engine=False; the CLI runs it when an engine is installed)')])
+
+    fns = dict(
+        speculative_algorithm=spec,
+        fc_width=check_fc_width,
+        head_dim=check_head_dim,
+        aux_layer_ids=check_aux_layer_ids,
+        lm_head=check_lm_head,
+        vocab_maps=check_vocab_maps,
+        special_tokens=check_special_tokens,
+        vocab_size=check_vocab_size,
+        chat_template=check_chat_template,
+        rope=check_rope,
+        draft_variant=check_draft_variant,
+        engine=check_engine
+        if engine
+        else lambda x: [
+            finding('engine', 'n/a', 'not asked (engine=False; the CLI runs it when an engine is installed)')
+        ],
+    )
     return pd.DataFrame([_row(n, fns[n], x) for n in CHECKS], columns=['check', 'status', 'detail'])
 
 # %% ../nbs/71_doctor.ipynb #589a8543
-def doctor_report(df:pd.DataFrame, width:int=110)->str:
+def doctor_report(df: pd.DataFrame, width: int = 110) -> str:
     "Plain text table of `doctor`'s rows and a last line with the verdict"
     w = max(len(c) for c in df.check)
     pad = ' ' * (w + 10)
@@ -583,16 +1169,21 @@ def doctor_report(df:pd.DataFrame, width:int=110)->str:
     k, na = int((df.status == 'FAIL').sum()), int((df.status == 'n/a').sum())
     return '\n'.join(lines + [f"doctor: {k} problem(s)" if k else f"doctor: all checks passed ({na} n/a)"])
 
-def doctor_cli(draft_dir,          # the export folder
-               target,             # the target model folder
-               server_args=None,   # launch command or script file, or SGLang /get_server_info JSON
-               server:str=None,    # URL of a running SGLang server
-               trust_remote_code:bool=False, # for the target's config and tokenizer
-               engine:bool=None,   # serve it in vLLM too; None: when an engine is installed
-              )->int:              # exit status: 1 if any check fails
+
+def doctor_cli(
+    draft_dir,  # the export folder
+    target,  # the target model folder
+    server_args=None,  # launch command or script file, or SGLang /get_server_info JSON
+    server: str = None,  # URL of a running SGLang server
+    trust_remote_code: bool = False,  # for the target's config and tokenizer
+    engine: bool = None,  # serve it in vLLM too; None: when an engine is installed
+) -> int:  # exit status: 1 if any check fails
     "`eagle3nb doctor DIR --target TARGET_DIR`: print the report; 1 if anything fails"
     from eagle3nb.engine import engine_available
-    df = doctor(draft_dir, target, server_args, server, trust_remote_code, engine_available() if engine is None else engine)
+
+    df = doctor(
+        draft_dir, target, server_args, server, trust_remote_code, engine_available() if engine is None else engine
+    )
     print(doctor_report(df))
     bad = df[df.status == 'FAIL']
     if len(bad):  # one line on stderr, as every failing verb gives: the first problem, the rest in the report

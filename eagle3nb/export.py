@@ -16,30 +16,42 @@ from safetensors.torch import load_file, save_file
 from .recipe import default_aux_layers, check_aux_layers, RecipeError
 
 # %% ../nbs/70_export.ipynb #1a3374a6
-class ExportError(Exception): "A checkpoint that cannot be exported, or an export folder that fails its checks"
+class ExportError(Exception):
+    "A checkpoint that cannot be exported, or an export folder that fails its checks"
 
 # %% ../nbs/70_export.ipynb #49f22015
-def read_checkpoint(ckpt_dir)->tuple: # state dict, draft config dict
+def read_checkpoint(ckpt_dir) -> tuple:  # state dict, draft config dict
     "The tensors and the `DraftConfig` dict of a training checkpoint folder"
-    f = Path(ckpt_dir)/'model.safetensors'
-    if not f.exists(): raise ExportError(f"no model.safetensors in {ckpt_dir}")
+    f = Path(ckpt_dir) / 'model.safetensors'
+    if not f.exists():
+        raise ExportError(f"no model.safetensors in {ckpt_dir}")
     from safetensors import SafetensorError
     from eagle3nb.recipe import bad_file
-    hint = ("the checkpoint is truncated or damaged (a copy cut short?): export another step's checkpoint, "
-            "or copy this one again")
+
+    hint = (
+        "the checkpoint is truncated or damaged (a copy cut short?): export another step's checkpoint, "
+        "or copy this one again"
+    )
     try:
-        with safe_open(str(f), 'pt') as s: meta = s.metadata() or {}
+        with safe_open(str(f), 'pt') as s:
+            meta = s.metadata() or {}
         sd = load_file(str(f)) if 'draft_config' in meta else None
-    except SafetensorError as e: raise bad_file(f, e, hint, 'safetensors') from None
-    if sd is None: raise ExportError(f"{f} has no draft_config metadata: not a training checkpoint")
-    try: return sd, json.loads(meta['draft_config'])
-    except json.JSONDecodeError as e: raise bad_file(f"{f} (metadata draft_config)", e, hint) from None
+    except SafetensorError as e:
+        raise bad_file(f, e, hint, 'safetensors') from None
+    if sd is None:
+        raise ExportError(f"{f} has no draft_config metadata: not a training checkpoint")
+    try:
+        return sd, json.loads(meta['draft_config'])
+    except json.JSONDecodeError as e:
+        raise bad_file(f"{f} (metadata draft_config)", e, hint) from None
 
 # %% ../nbs/70_export.ipynb #9ca1a629
-def engine_aux_ids(aux_layers)->dict: # {'vllm': [...], 'sglang': [...]}
+def engine_aux_ids(aux_layers) -> dict:  # {'vllm': [...], 'sglang': [...]}
     "Our input-of-layer aux ids in vLLM's convention (same) and SGLang's (`k - 1`, the engine adds 1 back)"
-    try: aux = check_aux_layers([int(k) for k in aux_layers], None, 'aux layers')
-    except RecipeError as e: raise ExportError(str(e)) from None
+    try:
+        aux = check_aux_layers([int(k) for k in aux_layers], None, 'aux layers')
+    except RecipeError as e:
+        raise ExportError(str(e)) from None
     return dict(vllm=aux, sglang=[k - 1 for k in aux])
 
 # %% ../nbs/70_export.ipynb #b6dd3dc7
@@ -47,195 +59,282 @@ FLAGS = ('fc_norm', 'norm_before_fc', 'norm_output')
 MLA_KEYS = ('q_lora_rank', 'kv_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim')
 ARCH_NAMES = dict(llama=('LlamaForCausalLMEagle3', 'llama'), mla=('Eagle3DeepseekV2ForCausalLM', 'deepseek_v2'))
 
-def export_config(dc:dict,       # the checkpoint's DraftConfig dict
-                  aux_layers,    # input-of-layer aux ids
-                 )->dict:
+
+def export_config(
+    dc: dict,  # the checkpoint's DraftConfig dict
+    aux_layers,  # input-of-layer aux ids
+) -> dict:
     "The `config.json` dict of an exported draft"
     ids, arch = engine_aux_ids(aux_layers), dc.get('arch', 'llama')
     name, mt = ARCH_NAMES[arch]
-    c = dict(architectures=[name], model_type=mt, num_hidden_layers=1,
-             hidden_size=dc['hidden_size'], intermediate_size=dc['intermediate_size'],
-             num_attention_heads=dc['num_attention_heads'], num_key_value_heads=dc['num_key_value_heads'],
-             hidden_act='silu', rms_norm_eps=dc['rms_norm_eps'], rope_theta=dc['rope_theta'],
-             max_position_embeddings=dc['max_position_embeddings'], vocab_size=dc['vocab_size'],
-             draft_vocab_size=dc['draft_vocab_size'], target_hidden_size=dc['target_hidden_size'],
-             tie_word_embeddings=False, torch_dtype='bfloat16')
-    if arch == 'mla': c.update({k: dc[k] for k in MLA_KEYS}, num_key_value_heads=dc['num_attention_heads'], rope_interleave=True)
-    else: c['head_dim'] = dc['head_dim']
-    if dc.get('rope_scaling'): c['rope_scaling'] = dict(dc['rope_scaling'])
+    c = dict(
+        architectures=[name],
+        model_type=mt,
+        num_hidden_layers=1,
+        hidden_size=dc['hidden_size'],
+        intermediate_size=dc['intermediate_size'],
+        num_attention_heads=dc['num_attention_heads'],
+        num_key_value_heads=dc['num_key_value_heads'],
+        hidden_act='silu',
+        rms_norm_eps=dc['rms_norm_eps'],
+        rope_theta=dc['rope_theta'],
+        max_position_embeddings=dc['max_position_embeddings'],
+        vocab_size=dc['vocab_size'],
+        draft_vocab_size=dc['draft_vocab_size'],
+        target_hidden_size=dc['target_hidden_size'],
+        tie_word_embeddings=False,
+        torch_dtype='bfloat16',
+    )
+    if arch == 'mla':
+        c.update({k: dc[k] for k in MLA_KEYS}, num_key_value_heads=dc['num_attention_heads'], rope_interleave=True)
+    else:
+        c['head_dim'] = dc['head_dim']
+    if dc.get('rope_scaling'):
+        c['rope_scaling'] = dict(dc['rope_scaling'])
     c.update({f: True for f in FLAGS if dc.get(f)})
-    return {**c, 'eagle_aux_hidden_state_layer_ids': ids['vllm'],  # vLLM: input-of-layer ids
-            'eagle_config': dict(eagle_aux_hidden_state_layer_ids=ids['sglang'], use_aux_hidden_state=True,  # SGLang adds 1
-                                 **({'norm_before_fc': True} if dc.get('norm_before_fc') else {}))}
+    return {
+        **c,
+        'eagle_aux_hidden_state_layer_ids': ids['vllm'],  # vLLM: input-of-layer ids
+        'eagle_config': dict(
+            eagle_aux_hidden_state_layer_ids=ids['sglang'],
+            use_aux_hidden_state=True,  # SGLang adds 1
+            **({'norm_before_fc': True} if dc.get('norm_before_fc') else {}),
+        ),
+    }
 
 # %% ../nbs/70_export.ipynb #41031af5
 def _target_text_cfg(target_dir):
     from transformers import AutoConfig
+
     c = AutoConfig.from_pretrained(str(target_dir))
     return c.get_text_config() if hasattr(c, 'get_text_config') else c
 
+
 FLAG_TENSORS = dict(fc_norm=tuple(f'fc_norm.{i}.weight' for i in range(3)), norm_before_fc=('input_norm.weight',))
 
-def flag_mismatches(cfg:dict, names)->list: # one line per flag whose tensors disagree with it
+
+def flag_mismatches(cfg: dict, names) -> list:  # one line per flag whose tensors disagree with it
     "Config flags set without their tensors, and flag tensors present without their flag"
     out = []
     for flag, ts in FLAG_TENSORS.items():
         on = bool(cfg.get(flag) or (cfg.get('eagle_config') or {}).get(flag))
         have = [t for t in names if t.startswith(ts[0].split('.')[0] + '.')]
-        if on and not set(ts) <= set(names): out.append(f"{flag} is set but {', '.join(t for t in ts if t not in names)} missing")
-        if not on and have: out.append(f"{', '.join(sorted(have))} present but {flag} is not set")
+        if on and not set(ts) <= set(names):
+            out.append(f"{flag} is set but {', '.join(t for t in ts if t not in names)} missing")
+        if not on and have:
+            out.append(f"{', '.join(sorted(have))} present but {flag} is not set")
     return out
 
-def export_tensors(sd:dict, target_hidden:int, dc:dict=None)->dict:
+
+def export_tensors(sd: dict, target_hidden: int, dc: dict = None) -> dict:
     "Checkpoint tensors as exported: floats in bf16, `d2t` int64, `t2d` bool (none for a full vocab); refuse a misfit"
-    if 'lm_head.weight' not in sd: raise ExportError("checkpoint has no lm_head.weight")
+    if 'lm_head.weight' not in sd:
+        raise ExportError("checkpoint has no lm_head.weight")
     if 'fc.weight' not in sd or sd['fc.weight'].shape[1] != 3 * target_hidden:
-        raise ExportError(f"fc.weight {tuple(sd['fc.weight'].shape) if 'fc.weight' in sd else None} does not read 3 x {target_hidden}")
-    if dc is not None and (bad := flag_mismatches(dc, sd)): raise ExportError(f"checkpoint flags and tensors disagree: {'; '.join(bad)}")
-    out = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in sd.items() if 'embed' not in k}
+        raise ExportError(
+            f"fc.weight {tuple(sd['fc.weight'].shape) if 'fc.weight' in sd else None} does not read 3 x {target_hidden}"
+        )
+    if dc is not None and (bad := flag_mismatches(dc, sd)):
+        raise ExportError(f"checkpoint flags and tensors disagree: {'; '.join(bad)}")
+    out = {
+        k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
+        for k, v in sd.items()
+        if 'embed' not in k
+    }
     d2t, t2d = out.pop('d2t').long(), out.pop('t2d').bool()
-    if len(d2t) < len(t2d): out['d2t'], out['t2d'] = d2t, t2d  # a reduced vocabulary: the engines need the maps
-    elif d2t.any() or not t2d.all(): raise ExportError("the draft covers the whole vocabulary but its d2t/t2d are not the identity")
+    if len(d2t) < len(t2d):
+        out['d2t'], out['t2d'] = d2t, t2d  # a reduced vocabulary: the engines need the maps
+    elif d2t.any() or not t2d.all():
+        raise ExportError("the draft covers the whole vocabulary but its d2t/t2d are not the identity")
     return out
 
 # %% ../nbs/70_export.ipynb #bad72ae1
-def _distinct(xs): return sorted({x for x in xs if x})
+def _distinct(xs):
+    return sorted({x for x in xs if x})
 
-def training_record(data_root,            # the recipe's data root, e.g. data/<recipe>
-                    checkpoint_dir=None,  # the checkpoint being exported (recorded as is)
-                    target_dir=None,      # the target model folder (recorded as is)
-                   )->dict:
+
+def training_record(
+    data_root,  # the recipe's data root, e.g. data/<recipe>
+    checkpoint_dir=None,  # the checkpoint being exported (recorded as is)
+    target_dir=None,  # the target model folder (recorded as is)
+) -> dict:
     "What the draft was trained on: aux layers of its hidden states, chat-template hashes, supervised special tokens"
     from safetensors import SafetensorError
     from eagle3nb.recipe import bad_file, read_json
+
     root = Path(data_root)
     again = lambda verb: f"it is damaged: run `eagle3nb {verb}` for this recipe again (with --force)"
-    rendered = [read_json(p, again('render')) for p in sorted((root/'rendered').glob('*/render.json'))]
-    if not rendered: raise ExportError(f"{root}/rendered has no render.json: give the recipe's data root (data/<recipe>) after the render phase")
+    rendered = [read_json(p, again('render')) for p in sorted((root / 'rendered').glob('*/render.json'))]
+    if not rendered:
+        raise ExportError(
+            f"{root}/rendered has no render.json: give the recipe's data root (data/<recipe>) after the render phase"
+        )
     shard_meta = []
-    for mode in sorted((root/'hidden').glob('*')):
-        if shards := sorted((mode/'train').glob('*.safetensors')):
+    for mode in sorted((root / 'hidden').glob('*')):
+        if shards := sorted((mode / 'train').glob('*.safetensors')):
             try:
                 with safe_open(str(shards[0]), 'pt') as s:
                     shard_meta.append({k: json.loads(v) for k, v in (s.metadata() or {}).items()})
             except (SafetensorError, json.JSONDecodeError) as e:
                 raise bad_file(shards[0], e, again('extract'), 'safetensors') from None
     aux = _distinct(tuple(m['layer_ids']) for m in shard_meta if 'layer_ids' in m)
-    if len(aux) > 1: raise ExportError(f"{root}/hidden: stores extracted at different aux layers {aux}; re-extract one of them")
-    vj = root/'vocab'/'vocab.json'
+    if len(aux) > 1:
+        raise ExportError(f"{root}/hidden: stores extracted at different aux layers {aux}; re-extract one of them")
+    vj = root / 'vocab' / 'vocab.json'
     vocab = read_json(vj, again('vocab')) if vj.exists() else {}
     special = {t: u['id'] for t, u in vocab.get('special_used', {}).items()}
     toks = _distinct(m['params'].get('tokenizer_sha256') for m in rendered)
-    return dict(format=1, data_root=str(root.resolve()), checkpoint=str(checkpoint_dir) if checkpoint_dir else None,
-                target=str(target_dir) if target_dir else None, aux_layers=list(aux[0]) if aux else None,
-                template_sha256=_distinct([m['params'].get('template_sha256') for m in rendered] + [m.get('template_sha256') for m in shard_meta]),
-                tokenizer_sha256=toks[0] if len(toks) == 1 else None, special_tokens=special,
-                draft_vocab_size=vocab.get('draft_vocab'))
+    return dict(
+        format=1,
+        data_root=str(root.resolve()),
+        checkpoint=str(checkpoint_dir) if checkpoint_dir else None,
+        target=str(target_dir) if target_dir else None,
+        aux_layers=list(aux[0]) if aux else None,
+        template_sha256=_distinct(
+            [m['params'].get('template_sha256') for m in rendered] + [m.get('template_sha256') for m in shard_meta]
+        ),
+        tokenizer_sha256=toks[0] if len(toks) == 1 else None,
+        special_tokens=special,
+        draft_vocab_size=vocab.get('draft_vocab'),
+    )
 
-def _aux_for(aux_layers, rec, n_layers)->list:
+
+def _aux_for(aux_layers, rec, n_layers) -> list:
     "The aux ids to write: the hidden states' when known (a different request is refused), else the given ones or the default"
     known = rec.get('aux_layers') if rec else None
     if aux_layers is not None and known and [int(k) for k in aux_layers] != known:
-        raise ExportError(f"the hidden states were extracted at input-of-layer ids {known}, not {list(aux_layers)}: "
-                          "fc learned to read those; drop --aux-layers or re-extract and retrain")
+        raise ExportError(
+            f"the hidden states were extracted at input-of-layer ids {known}, not {list(aux_layers)}: "
+            "fc learned to read those; drop --aux-layers or re-extract and retrain"
+        )
     return [int(k) for k in aux_layers] if aux_layers is not None else (known or default_aux_layers(n_layers))
 
 # %% ../nbs/70_export.ipynb #fb0c8934
 from .recipe import claim_output, publishing
 
-def _check_aux_range(aux, n_layers:int):
+
+def _check_aux_range(aux, n_layers: int):
     "`ExportError` unless `aux` follows `recipe.aux_rule` for an `n_layers`-layer target"
-    try: check_aux_layers(aux, n_layers, '--aux-layers')
-    except RecipeError as e: raise ExportError(str(e)) from None
+    try:
+        check_aux_layers(aux, n_layers, '--aux-layers')
+    except RecipeError as e:
+        raise ExportError(str(e)) from None
 
 # %% ../nbs/70_export.ipynb #d03fe03b
-def export_draft(checkpoint_dir,   # a `checkpoints/step_N` folder
-                 out_dir,          # the draft folder to write
-                 target_dir,       # the target model folder (its config.json)
-                 aux_layers=None,  # input-of-layer aux ids; default: the hidden states' (with `data_root`), else [2, N//2, N-3]
-                 data_root=None,   # the recipe's data root: writes the training record `eagle3nb.json` that `doctor` reads
-                )->dict:
+def export_draft(
+    checkpoint_dir,  # a `checkpoints/step_N` folder
+    out_dir,  # the draft folder to write
+    target_dir,  # the target model folder (its config.json)
+    aux_layers=None,  # input-of-layer aux ids; default: the hidden states' (with `data_root`), else [2, N//2, N-3]
+    data_root=None,  # the recipe's data root: writes the training record `eagle3nb.json` that `doctor` reads
+) -> dict:
     "Write `config.json` and bf16 `model.safetensors` for the engines (and `eagle3nb.json`); return the config"
     out = claim_output(out_dir, 'export')
     sd, dc = read_checkpoint(checkpoint_dir)
     t = _target_text_cfg(target_dir)
-    if dc['vocab_size'] != t.vocab_size: raise ExportError(f"draft vocab_size {dc['vocab_size']} != target's {t.vocab_size}")
+    if dc['vocab_size'] != t.vocab_size:
+        raise ExportError(f"draft vocab_size {dc['vocab_size']} != target's {t.vocab_size}")
     rec = training_record(data_root, checkpoint_dir, target_dir) if data_root else None
-    aux = _aux_for(aux_layers, rec, t.num_hidden_layers); _check_aux_range(aux, t.num_hidden_layers)
+    aux = _aux_for(aux_layers, rec, t.num_hidden_layers)
+    _check_aux_range(aux, t.num_hidden_layers)
     cfg = export_config(dc, aux)
     ts = export_tensors(sd, t.hidden_size, dc)
     with publishing(out, 'export') as tmp:  # the old export stays whole until the new one is in place
-        save_file(ts, str(tmp/'model.safetensors'), metadata={'format': 'pt'})
-        (tmp/'config.json').write_text(json.dumps(cfg, indent=2) + '\n')
-        if rec: (tmp/'eagle3nb.json').write_text(json.dumps({**rec, 'aux_layers': aux}, indent=1) + '\n')
+        save_file(ts, str(tmp / 'model.safetensors'), metadata={'format': 'pt'})
+        (tmp / 'config.json').write_text(json.dumps(cfg, indent=2) + '\n')
+        if rec:
+            (tmp / 'eagle3nb.json').write_text(json.dumps({**rec, 'aux_layers': aux}, indent=1) + '\n')
     return cfg
 
 # %% ../nbs/70_export.ipynb #471b8865
-def _check_maps(w:dict, Vd:int, V:int)->list:
+def _check_maps(w: dict, Vd: int, V: int) -> list:
     "Problems with the vocab maps: required for a reduced vocabulary, absent for a full one"
-    if Vd == V: return [f"{k} present in a full-vocabulary export: vLLM 0.32 fails to load it" for k in ('d2t', 't2d') if k in w]
+    if Vd == V:
+        return [
+            f"{k} present in a full-vocabulary export: vLLM 0.32 fails to load it" for k in ('d2t', 't2d') if k in w
+        ]
     ps = [f"missing {k}" for k in ('d2t', 't2d') if k not in w]
-    if ps: return ps
-    if w['d2t'].dtype != torch.int64: ps.append(f"d2t is {w['d2t'].dtype}, not int64")
-    if w['t2d'].dtype != torch.bool: ps.append(f"t2d is {w['t2d'].dtype}, not bool")
-    if len(w['t2d']) != V: ps.append(f"t2d has length {len(w['t2d'])}, vocab_size is {V}")
-    if int(w['t2d'].sum()) != Vd: ps.append(f"t2d marks {int(w['t2d'].sum())} ids, draft_vocab_size is {Vd}")
+    if ps:
+        return ps
+    if w['d2t'].dtype != torch.int64:
+        ps.append(f"d2t is {w['d2t'].dtype}, not int64")
+    if w['t2d'].dtype != torch.bool:
+        ps.append(f"t2d is {w['t2d'].dtype}, not bool")
+    if len(w['t2d']) != V:
+        ps.append(f"t2d has length {len(w['t2d'])}, vocab_size is {V}")
+    if int(w['t2d'].sum()) != Vd:
+        ps.append(f"t2d marks {int(w['t2d'].sum())} ids, draft_vocab_size is {Vd}")
     tids = torch.arange(len(w['d2t'])) + w['d2t']  # target id of each draft index
     if len(w['d2t']) != Vd or len(w['t2d']) != V or not torch.equal(tids.sort().values, w['t2d'].nonzero().flatten()):
         ps.append("d2t does not map the draft vocab onto the ids t2d marks")
     return ps
 
 # %% ../nbs/70_export.ipynb #95225d86
-def check_export(out_dir)->list: # problems, empty when the export passes
+def check_export(out_dir) -> list:  # problems, empty when the export passes
     "Basic checks of an exported draft folder"
-    d = Path(out_dir); c = json.loads((d/'config.json').read_text()); w = load_file(str(d/'model.safetensors'))
+    d = Path(out_dir)
+    c = json.loads((d / 'config.json').read_text())
+    w = load_file(str(d / 'model.safetensors'))
     ps = [f"missing {k}" for k in ('fc.weight', 'norm.weight', 'lm_head.weight') if k not in w]
-    if not any(k.startswith('midlayer.') for k in w): ps.append("no midlayer.* weights")
+    if not any(k.startswith('midlayer.') for k in w):
+        ps.append("no midlayer.* weights")
     ps += [f"unexpected {k}" for k in w if 'embed_tokens' in k]
     ps += [f"{k} is {v.dtype}, not bf16" for k, v in w.items() if v.is_floating_point() and v.dtype != torch.bfloat16]
-    if ps: return ps
-    if w['fc.weight'].shape[1] != 3 * c['target_hidden_size']: ps.append(f"fc.weight {tuple(w['fc.weight'].shape)} does not read 3 x {c['target_hidden_size']}")
+    if ps:
+        return ps
+    if w['fc.weight'].shape[1] != 3 * c['target_hidden_size']:
+        ps.append(f"fc.weight {tuple(w['fc.weight'].shape)} does not read 3 x {c['target_hidden_size']}")
     Vd, V = c['draft_vocab_size'], c['vocab_size']
-    if w['lm_head.weight'].shape[0] != Vd: ps.append(f"lm_head has {w['lm_head.weight'].shape[0]} rows, draft_vocab_size is {Vd}")
+    if w['lm_head.weight'].shape[0] != Vd:
+        ps.append(f"lm_head has {w['lm_head.weight'].shape[0]} rows, draft_vocab_size is {Vd}")
     return ps + _check_maps(w, Vd, V)
 
 # %% ../nbs/70_export.ipynb #1de31e13
-def run_defaults(checkpoint_dir)->dict: # {'target': ..., 'data_root': ...}; empty outside a run
+def run_defaults(checkpoint_dir) -> dict:  # {'target': ..., 'data_root': ...}; empty outside a run
     "The target model folder and data root of the run a checkpoint belongs to (its frozen `recipe.yaml`)"
-    rec = Path(checkpoint_dir).resolve().parent.parent/'recipe.yaml'
-    if not rec.exists(): return {}
+    rec = Path(checkpoint_dir).resolve().parent.parent / 'recipe.yaml'
+    if not rec.exists():
+        return {}
     from eagle3nb.recipe import load_recipe
+
     r = load_recipe(rec)
     if r.target.toy:
         from eagle3nb.toy import ensure_toy
+
         r.target.model = str(ensure_toy(r.target.toy, r.target.model))
     return dict(target=r.target.model, data_root=r.data_root)
 
 # %% ../nbs/70_export.ipynb #b6c7c8e6
-def sglang_problem(cfg:dict)->str|None:
+def sglang_problem(cfg: dict) -> str | None:
     "Why SGLang would serve this export other than as trained (None: it serves it as trained)"
     flags = [f for f in FLAGS if cfg.get(f) or (cfg.get('eagle_config') or {}).get(f)]
     if flags and (cfg.get('architectures') or [''])[0] in (ARCH_NAMES['llama'][0], 'Eagle3LlamaForCausalLM'):
-        return (f"SGLang's llama_eagle3.py (03d5a77) reads no EAGLE-3.1 flag and skips the tensors it has no parameter for, so it would "
-                f"serve this Llama draft without {', '.join(flags)}: lower acceptance, no error. Serve it with vLLM, or train "
-                "phases.train.draft {arch: mla, ...} for SGLang (kimi_k25_eagle3.py reads fc_norm and norm_output).")
+        return (
+            f"SGLang's llama_eagle3.py (03d5a77) reads no EAGLE-3.1 flag and skips the tensors it has no parameter for, so it would "
+            f"serve this Llama draft without {', '.join(flags)}: lower acceptance, no error. Serve it with vLLM, or train "
+            "phases.train.draft {arch: mla, ...} for SGLang (kimi_k25_eagle3.py reads fc_norm and norm_output)."
+        )
 
 # %% ../nbs/70_export.ipynb #f4c8c468
-def launch_commands(draft_dir,              # the exported draft folder
-                    target_model,           # the target's path or hub id, as the engine should load it
-                    tp:int=1,               # tensor-parallel size (Kimi-K2.5: 8 per node)
-                    num_steps:int=3,        # draft steps per round
-                    topk:int=1,             # draft branching; 1 is chain drafting
-                    num_draft_tokens:int=None, # tokens verified per round; default num_steps + 1 for topk 1, else 2 x num_steps
-                   )->dict:                 # {'sglang': command, 'vllm': command}; no 'sglang' where `sglang_problem` says why
+def launch_commands(
+    draft_dir,  # the exported draft folder
+    target_model,  # the target's path or hub id, as the engine should load it
+    tp: int = 1,  # tensor-parallel size (Kimi-K2.5: 8 per node)
+    num_steps: int = 3,  # draft steps per round
+    topk: int = 1,  # draft branching; 1 is chain drafting
+    num_draft_tokens: int = None,  # tokens verified per round; default num_steps + 1 for topk 1, else 2 x num_steps
+) -> dict:  # {'sglang': command, 'vllm': command}; no 'sglang' where `sglang_problem` says why
     "The SGLang and vLLM commands that serve the target with this draft as its EAGLE-3 speculator"
     n = num_draft_tokens or (num_steps + 1 if topk == 1 else 2 * num_steps)
-    cf = Path(draft_dir)/'config.json'
+    cf = Path(draft_dir) / 'config.json'
     no_sglang = sglang_problem(json.loads(cf.read_text())) if cf.exists() else None
     d, t = shlex.quote(str(draft_dir)), shlex.quote(str(target_model))
     spec = json.dumps(dict(method='eagle3', model=str(draft_dir), num_speculative_tokens=num_steps))
     cmds = dict(
-        sglang=(f"python -m sglang.launch_server --model-path {t} --speculative-algorithm EAGLE3 --speculative-draft-model-path {d} "
-                f"--speculative-num-steps {num_steps} --speculative-eagle-topk {topk} --speculative-num-draft-tokens {n} --tp {tp} --trust-remote-code"),
-        vllm=f"vllm serve {t} --tensor-parallel-size {tp} --trust-remote-code --speculative-config {shlex.quote(spec)}")
+        sglang=(
+            f"python -m sglang.launch_server --model-path {t} --speculative-algorithm EAGLE3 --speculative-draft-model-path {d} "
+            f"--speculative-num-steps {num_steps} --speculative-eagle-topk {topk} --speculative-num-draft-tokens {n} --tp {tp} --trust-remote-code"
+        ),
+        vllm=f"vllm serve {t} --tensor-parallel-size {tp} --trust-remote-code --speculative-config {shlex.quote(spec)}",
+    )
     return {k: v for k, v in cmds.items() if not (k == 'sglang' and no_sglang)}

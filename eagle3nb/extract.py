@@ -13,92 +13,133 @@ from contextlib import contextmanager
 from pathlib import Path
 import torch
 from .recipe import Recipe, default_aux_layers, check_aux_layers, load_recipe
-from .store import (MODES, ShardWriter, bytes_per_token, done_ids, idx_dtype, quantize_fp8, read_meta,
-                            record_index, shard_files, shard_meta, sync_index, validate)
+from eagle3nb.store import (
+    MODES,
+    ShardWriter,
+    bytes_per_token,
+    done_ids,
+    idx_dtype,
+    quantize_fp8,
+    read_meta,
+    record_index,
+    shard_files,
+    shard_meta,
+    sync_index,
+    validate,
+)
 
 # %% ../nbs/50_extract.ipynb #f205e2eb
-def load_target(model_dir,                 # HF model folder
-                dtype=torch.bfloat16,      # compute dtype
-                device_map=None,           # e.g. 'auto' to spread a big target over the GPUs of one process
-                trust_remote_code:bool=False):
+def load_target(
+    model_dir,  # HF model folder
+    dtype=torch.bfloat16,  # compute dtype
+    device_map=None,  # e.g. 'auto' to spread a big target over the GPUs of one process
+    trust_remote_code: bool = False,
+):
     "The target as an eval-mode causal LM without gradients"
     from transformers import AutoModelForCausalLM
     from safetensors import SafetensorError
     from eagle3nb.recipe import check_weights
+
     try:
-        m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map=device_map,
-                                                 trust_remote_code=trust_remote_code)
+        m = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code
+        )
     except SafetensorError:
         check_weights(model_dir)
         raise  # names the file cut short
     return m.eval().requires_grad_(False)
 
-def target_id(model_dir)->str:
+
+def target_id(model_dir) -> str:
     "`<folder name>@<sha256 of config.json, 12 hex>`"
     p = Path(model_dir)
-    return f"{p.resolve().name}@{hashlib.sha256((p/'config.json').read_bytes()).hexdigest()[:12]}"
+    return f"{p.resolve().name}@{hashlib.sha256((p / 'config.json').read_bytes()).hexdigest()[:12]}"
 
 # %% ../nbs/50_extract.ipynb #2982b4b2
 _LAYER_KEY = re.compile(r'(?:^|\.)layers\.(\d+)\.')
 _NOT_TEXT = ('vision', 'visual', 'audio', 'mm_projector', 'multi_modal')  # towers of a multimodal target: other layers
 
-def _header_keys(f:Path)->list:
+
+def _header_keys(f: Path) -> list:
     "Tensor names in a safetensors file's header (no tensor is read)"
     with open(f, 'rb') as fh:
         n = int.from_bytes(fh.read(8), 'little')
-        if not 0 < n < 1 << 28: raise ValueError(f"{f}: no safetensors header")
+        if not 0 < n < 1 << 28:
+            raise ValueError(f"{f}: no safetensors header")
         return [k for k in json.loads(fh.read(n)) if k != '__metadata__']
 
-def weight_layers(model_dir)->set|None: # decoder layer ids; None: no safetensors weights to read
+
+def weight_layers(model_dir) -> set | None:  # decoder layer ids; None: no safetensors weights to read
     "The decoder layer ids (`...layers.<i>.`) the target's safetensors weights hold, from the index or the file headers"
     d = Path(model_dir)
     idx = sorted(d.glob('*.safetensors.index.json'))
     files = sorted(d.glob('*.safetensors'))
     try:
-        keys = (list(json.loads(idx[0].read_text())['weight_map']) if idx
-                else [k for f in files for k in _header_keys(f)])
-    except (OSError, ValueError, KeyError, TypeError): return None  # unreadable weights: loading them says why
-    if not keys: return None
+        keys = (
+            list(json.loads(idx[0].read_text())['weight_map']) if idx else [k for f in files for k in _header_keys(f)]
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # unreadable weights: loading them says why
+    if not keys:
+        return None
     return {int(m.group(1)) for k in keys if not any(w in k for w in _NOT_TEXT) and (m := _LAYER_KEY.search(k))}
 
-def check_layer_weights(model_dir,           # the target model folder
-                        what:str='target.model', # the key or option that named it, for the message
-                       ):
+
+def check_layer_weights(
+    model_dir,  # the target model folder
+    what: str = 'target.model',  # the key or option that named it, for the message
+):
     "`ValueError` when `config.json` declares more decoder layers than the weights hold (the rest would be random)"
     try:
-        c = json.loads((Path(model_dir)/'config.json').read_text())
+        c = json.loads((Path(model_dir) / 'config.json').read_text())
         n = int(c.get('text_config', c)['num_hidden_layers'])
-    except (OSError, ValueError, KeyError, TypeError): return  # no readable depth: loading the target says why
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no readable depth: loading the target says why
     have = weight_layers(model_dir)
-    if have is None: return
+    if have is None:
+        return
     missing = sorted(set(range(n)) - have)
-    if not missing: return
+    if not missing:
+        return
     gone = ', '.join(map(str, missing[:6])) + (', ...' if len(missing) > 6 else '')
-    raise ValueError(f"{what} {model_dir}: config.json declares {n} layers (num_hidden_layers) but its weights hold "
-                     f"{n - len(missing)} (no weights for layers {gone}), which would run randomly initialised; "
-                     "give the complete checkpoint or fix num_hidden_layers")
+    raise ValueError(
+        f"{what} {model_dir}: config.json declares {n} layers (num_hidden_layers) but its weights hold "
+        f"{n - len(missing)} (no weights for layers {gone}), which would run randomly initialised; "
+        "give the complete checkpoint or fix num_hidden_layers"
+    )
 
 # %% ../nbs/50_extract.ipynb #ee4ec820
-def _decoder(model): return model.get_decoder()  # the text decoder, also inside multimodal wrappers
+def _decoder(model):
+    return model.get_decoder()  # the text decoder, also inside multimodal wrappers
+
 
 @contextmanager
-def capture(model, aux_layers:list): # yields a dict id -> (B, T, H) filled by the next forward
+def capture(model, aux_layers: list):  # yields a dict id -> (B, T, H) filled by the next forward
     "Hooks that keep the input of each decoder layer in `aux_layers`"
     dec, got, hooks = _decoder(model), {}, []
     n = len(dec.layers)
-    if any(not 0 <= k < n for k in aux_layers): raise ValueError(f"aux layer ids {aux_layers}: each must lie in [0, {n-1}] (input-of-layer ids)")
-    def keep(k): return lambda mod, args, kw: got.__setitem__(k, args[0] if args else kw['hidden_states'])
+    if any(not 0 <= k < n for k in aux_layers):
+        raise ValueError(f"aux layer ids {aux_layers}: each must lie in [0, {n - 1}] (input-of-layer ids)")
+
+    def keep(k):
+        return lambda mod, args, kw: got.__setitem__(k, args[0] if args else kw['hidden_states'])
+
     for k in aux_layers:
         hooks.append(dec.layers[k].register_forward_pre_hook(keep(k), with_kwargs=True))
-    try: yield got
+    try:
+        yield got
     finally:
-        for h in hooks: h.remove()
+        for h in hooks:
+            h.remove()
 
 # %% ../nbs/50_extract.ipynb #a5f5da2b
 @torch.no_grad()
-def forward_states(model, input_ids:torch.Tensor, # (B, T)
-                   aux_layers:list, attention_mask=None, # (B, T), None when nothing is padded
-                  ):                 # aux (B, T, n_aux*H), final (B, T, H)
+def forward_states(
+    model,
+    input_ids: torch.Tensor,  # (B, T)
+    aux_layers: list,
+    attention_mask=None,  # (B, T), None when nothing is padded
+):  # aux (B, T, n_aux*H), final (B, T, H)
     "Aux hidden states and the final (post-norm) hidden state of one batch"
     with capture(model, aux_layers) as got:
         final = _decoder(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
@@ -106,36 +147,48 @@ def forward_states(model, input_ids:torch.Tensor, # (B, T)
     return aux, final
 
 # %% ../nbs/50_extract.ipynb #a270014e
-def draft_target_ids(d2t=None, # (Vd,) int64 offsets, d2t[i] = target id of draft index i - i
-                     vocab_size:int=None)->torch.Tensor: # (Vd,) target ids
+def draft_target_ids(
+    d2t=None,  # (Vd,) int64 offsets, d2t[i] = target id of draft index i - i
+    vocab_size: int = None,
+) -> torch.Tensor:  # (Vd,) target ids
     "Target id of every draft-vocab index"
-    if d2t is None: return torch.arange(vocab_size)
+    if d2t is None:
+        return torch.arange(vocab_size)
     return torch.arange(len(d2t)) + torch.as_tensor(d2t)
 
+
 @torch.no_grad()
-def topk_draft_probs(final:torch.Tensor,  # (N, H) final hidden states
-                     w_draft:torch.Tensor, # (Vd, H) lm_head rows of the draft vocab
-                     k:int, chunk:int=4096): # p (N, k) float16, idx (N, k) draft-vocab indices
+def topk_draft_probs(
+    final: torch.Tensor,  # (N, H) final hidden states
+    w_draft: torch.Tensor,  # (Vd, H) lm_head rows of the draft vocab
+    k: int,
+    chunk: int = 4096,
+):  # p (N, k) float16, idx (N, k) draft-vocab indices
     "Top-k of softmax(final @ w_draft.T), in float32, `chunk` tokens at a time"
     ps, ix = [], []
     for f in final.split(chunk):
         p = torch.softmax(f.float() @ w_draft.float().T, -1)  # (n, H) x (H, Vd) -> (n, Vd)
         t = p.topk(k, -1)
-        ps.append(t.values.half()); ix.append(t.indices.to(idx_dtype(len(w_draft))))
+        ps.append(t.values.half())
+        ix.append(t.indices.to(idx_dtype(len(w_draft))))
     return torch.cat(ps), torch.cat(ix)
 
 # %% ../nbs/50_extract.ipynb #24702093
-def length_batches(lengths:list,        # tokens per sample
-                   token_budget:int,    # max batch size x longest sample in the batch
-                   max_pad:float=0.0,   # allowed share of padding tokens in a batch; 0: equal lengths only
-                  )->list:              # lists of sample positions, longest first
+def length_batches(
+    lengths: list,  # tokens per sample
+    token_budget: int,  # max batch size x longest sample in the batch
+    max_pad: float = 0.0,  # allowed share of padding tokens in a batch; 0: equal lengths only
+) -> list:  # lists of sample positions, longest first
     "Group samples of similar length under a token budget"
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     out, cur, pad = [], [], 0
     for i in order:
         L, n = (lengths[cur[0]] if cur else lengths[i]), len(cur) + 1
-        if cur and (n*L > token_budget or (pad + L - lengths[i]) > max_pad * n*L): out.append(cur); cur, pad = [], 0
-        if cur: pad += lengths[cur[0]] - lengths[i]
+        if cur and (n * L > token_budget or (pad + L - lengths[i]) > max_pad * n * L):
+            out.append(cur)
+            cur, pad = [], 0
+        if cur:
+            pad += lengths[cur[0]] - lengths[i]
         cur.append(i)
     return out + [cur] if cur else out
 
@@ -143,25 +196,31 @@ def length_batches(lengths:list,        # tokens per sample
 class NotEnoughDisk(RuntimeError):
     "Free space below what the extraction will write, with margin"
 
-def preflight(out_dir, need_bytes:int, margin:float=1.1)->dict:
+
+def preflight(out_dir, need_bytes: int, margin: float = 1.1) -> dict:
     "Raise `NotEnoughDisk` unless `out_dir`'s file system has `need_bytes * margin` free"
     d = Path(out_dir)
-    while not d.exists(): d = d.parent
+    while not d.exists():
+        d = d.parent
     free, want = shutil.disk_usage(d).free, int(need_bytes * margin)
     if free < want:
-        raise NotEnoughDisk(f"extraction needs {want/1e9:.2f} GB free at {out_dir} (estimate {need_bytes/1e9:.2f} GB "
-                            f"x {margin}), only {free/1e9:.2f} GB is free; free {(want-free)/1e9:.2f} GB or choose another folder")
+        raise NotEnoughDisk(
+            f"extraction needs {want / 1e9:.2f} GB free at {out_dir} (estimate {need_bytes / 1e9:.2f} GB "
+            f"x {margin}), only {free / 1e9:.2f} GB is free; free {(want - free) / 1e9:.2f} GB or choose another folder"
+        )
     return dict(need_bytes=need_bytes, want_bytes=want, free_bytes=free)
 
 # %% ../nbs/50_extract.ipynb #be033af5
-def rank_world(rank:int=None, world:int=None)->tuple:
+def rank_world(rank: int = None, world: int = None) -> tuple:
     "(rank, world size), from torchrun's RANK / WORLD_SIZE unless given"
     r = int(os.environ.get('RANK', 0)) if rank is None else rank
     w = int(os.environ.get('WORLD_SIZE', 1)) if world is None else world
-    if not 0 <= r < w: raise ValueError(f"rank {r} outside world size {w}")
+    if not 0 <= r < w:
+        raise ValueError(f"rank {r} outside world size {w}")
     return r, w
 
-def mine(sample_id:str, rank:int, world:int)->bool:
+
+def mine(sample_id: str, rank: int, world: int) -> bool:
     "Does `sample_id` belong to `rank`?"
     return zlib.crc32(sample_id.encode()) % world == rank
 
@@ -170,34 +229,42 @@ def _view(samples):
     "sample ids, lengths and a row getter over a Dataset or a list of dicts"
     if hasattr(samples, 'data') and hasattr(samples, 'select_columns'):  # datasets.Dataset: no full materialization
         import pyarrow.compute as pc
+
         ds = samples.select_columns(['sample_id', 'input_ids', 'loss_mask'])
         return ds['sample_id'], pc.list_value_length(ds.data.column('input_ids')).to_pylist(), ds.__getitem__
     rows = list(samples)
     return [r['sample_id'] for r in rows], [len(r['input_ids']) for r in rows], rows.__getitem__
 
-def _check_resumable(out_dir, meta:dict):
+
+def _check_resumable(out_dir, meta: dict):
     "Refuse to add to a store made with other settings"
     fs = shard_files(out_dir)
-    if not fs: return
+    if not fs:
+        return
     old = read_meta(fs[0])
     diff = {k: (old.get(k), v) for k, v in meta.items() if k != 'rank' and old.get(k) != v}
-    if diff: raise ValueError(f"{out_dir} holds shards made with other settings {diff} (stored, now); use another folder")
+    if diff:
+        raise ValueError(f"{out_dir} holds shards made with other settings {diff} (stored, now); use another folder")
 
 # %% ../nbs/50_extract.ipynb #fd27f1f7
 def _sample_tensors(row, a, f, mode, n_aux, w_draft, topk):
     "What the store keeps of one sample: a (T, n_aux*H) aux, f (T, H) final"
     T = len(a)
     out = dict(input_ids=torch.as_tensor(row['input_ids']), loss_mask=torch.as_tensor(row['loss_mask']))
-    if mode == 'bf16': return {**out, 'aux': a.bfloat16().cpu(), 'final': f.bfloat16().cpu()}
+    if mode == 'bf16':
+        return {**out, 'aux': a.bfloat16().cpu(), 'final': f.bfloat16().cpu()}
     q, s = quantize_fp8(a.view(T, n_aux, -1))  # (T, n_aux, H) fp8, (T, n_aux)
     p, i = topk_draft_probs(f.to(w_draft.device), w_draft, topk)  # device_map='auto' may put lm_head on another GPU
     return {**out, 'aux': q.view(T, -1).cpu(), 'aux_scale': s.cpu(), 'topk_p': p.cpu(), 'topk_idx': i.cpu()}
 
+
 def _batch_inputs(rows, device):
     "Right-padded (B, L) ids and a mask, None when all rows have the same length"
-    lens = [len(r['input_ids']) for r in rows]; L = max(lens)
+    lens = [len(r['input_ids']) for r in rows]
+    L = max(lens)
     ids = torch.zeros(len(rows), L, dtype=torch.long)
-    for b, r in enumerate(rows): ids[b, :lens[b]] = torch.as_tensor(r['input_ids'])
+    for b, r in enumerate(rows):
+        ids[b, : lens[b]] = torch.as_tensor(r['input_ids'])
     mask = None if min(lens) == L else (torch.arange(L) < torch.tensor(lens)[:, None]).long().to(device)
     return ids.to(device), mask, lens
 
@@ -207,62 +274,99 @@ def _plan(model, samples, out_dir, aux_layers, mode, d2t, topk, target, template
     cfg = model.config.get_text_config()
     aux_layers = aux_layers if aux_layers is not None else default_aux_layers(cfg.num_hidden_layers)
     H, aux_layers = cfg.hidden_size, check_aux_layers(aux_layers, cfg.num_hidden_layers, 'aux_layers')
-    if mode not in MODES: raise ValueError(f"mode {mode!r}: use one of {', '.join(MODES)}")
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: use one of {', '.join(MODES)}")
     tids = draft_target_ids(d2t, cfg.vocab_size)
     meta = shard_meta(mode, aux_layers, H, target, template_sha256, topk, len(tids), rank)
     _check_resumable(out_dir, meta)
     ids, lens, get = _view(samples)
-    if len(set(ids)) != len(ids): raise ValueError("sample_id repeats in the input; ids must be unique")
+    if len(set(ids)) != len(ids):
+        raise ValueError("sample_id repeats in the input; ids must be unique")
     empty = [s for s, L in zip(ids, lens) if L == 0]
-    if empty: raise ValueError(f"{len(empty)} samples have no tokens, e.g. {empty[0]!r}; drop them before extraction")
+    if empty:
+        raise ValueError(f"{len(empty)} samples have no tokens, e.g. {empty[0]!r}; drop them before extraction")
     done = done_ids(out_dir)
     todo = [j for j, s in enumerate(ids) if mine(s, rank, world) and s not in done]
     bpt = bytes_per_token(mode, H, len(aux_layers), topk, len(tids))
-    return dict(H=H, aux_layers=aux_layers, tids=tids, meta=meta, ids=ids, lens=lens, get=get, todo=todo,
-                skipped=sum(s in done for s in ids), bpt=bpt, need=bpt * sum(lens[j] for j in todo))
+    return dict(
+        H=H,
+        aux_layers=aux_layers,
+        tids=tids,
+        meta=meta,
+        ids=ids,
+        lens=lens,
+        get=get,
+        todo=todo,
+        skipped=sum(s in done for s in ids),
+        bpt=bpt,
+        need=bpt * sum(lens[j] for j in todo),
+    )
 
 # %% ../nbs/50_extract.ipynb #27810d7e
-def _plan_modes(model, samples, outs:dict, aux_layers, d2t, topk, target, template_sha256, rank, world):
+def _plan_modes(model, samples, outs: dict, aux_layers, d2t, topk, target, template_sha256, rank, world):
     "A `_plan` per mode's store (`sinks`), and the samples some store still lacks (their indices, in order)"
-    sinks = [dict(mode=m, out=Path(o), P=_plan(model, samples, o, aux_layers, m, d2t, topk, target, template_sha256, rank, world)) for m, o in outs.items()]
+    sinks = [
+        dict(
+            mode=m,
+            out=Path(o),
+            P=_plan(model, samples, o, aux_layers, m, d2t, topk, target, template_sha256, rank, world),
+        )
+        for m, o in outs.items()
+    ]
     return sinks, sorted(set().union(*(k['P']['todo'] for k in sinks)))
 
-def _finish(sinks, secs:float)->dict:
+
+def _finish(sinks, secs: float) -> dict:
     "mode -> its stats, completed with the pass's wall time and what its writer wrote"
     for k in sinks:
         s, wr = k['st'], k['wr']
-        s.update(seconds=secs, tokens_per_s=s['tokens'] / max(secs, 1e-9), shards=[p.name for p in wr.written],
-                 bytes=sum(p.stat().st_size for p in wr.written), bytes_per_token=k['P']['bpt'])
+        s.update(
+            seconds=secs,
+            tokens_per_s=s['tokens'] / max(secs, 1e-9),
+            shards=[p.name for p in wr.written],
+            bytes=sum(p.stat().st_size for p in wr.written),
+            bytes_per_token=k['P']['bpt'],
+        )
     return {k['mode']: k['st'] for k in sinks}
+
 
 def _one_batch(model, rows, P, sinks, st, topk, dev):
     "Forward one batch, hand each sample's unpadded rows to every sink (mode) that lacks it, forward time in `st`"
     ids, mask, lens = _batch_inputs(rows, dev)
     tf = time.perf_counter()
     aux, final = forward_states(model, ids, P['aux_layers'], mask)  # (B, L, n_aux*H), (B, L, H)
-    if dev.type == 'cuda': torch.cuda.synchronize(dev)
+    if dev.type == 'cuda':
+        torch.cuda.synchronize(dev)
     st['forward_s'] += time.perf_counter() - tf
     for b, r in enumerate(rows):  # rows [:T] only: padding never reaches the store
         for k in (k for k in sinks if r['sample_id'] in k['todo']):
-            k['wr'].add(r['sample_id'], _sample_tensors(r, aux[b, :lens[b]], final[b, :lens[b]], k['mode'], len(P['aux_layers']), k['w_draft'], topk))
-            k['st']['samples'] += 1; k['st']['tokens'] += lens[b]
+            k['wr'].add(
+                r['sample_id'],
+                _sample_tensors(
+                    r, aux[b, : lens[b]], final[b, : lens[b]], k['mode'], len(P['aux_layers']), k['w_draft'], topk
+                ),
+            )
+            k['st']['samples'] += 1
+            k['st']['tokens'] += lens[b]
 
 # %% ../nbs/50_extract.ipynb #0fd59a74
-def extract_modes(model,                 # a loaded target (`load_target`)
-                  samples,               # datasets.Dataset or list of dicts: sample_id, input_ids, loss_mask
-                  outs:dict,             # mode ('bf16' or 'compact') -> store folder, one split
-                  aux_layers:list=None,  # input-of-layer ids; default [2, N//2, N-3]
-                  d2t=None,              # (Vd,) draft vocab offsets; compact only; None: the whole target vocab
-                  topk:int=64,           # compact: probabilities kept per token
-                  token_budget:int=16384, # tokens per forward (batch size x longest sample)
-                  max_pad:float=0.0,     # padded share allowed per batch (0 keeps results bit-exact)
-                  shard_bytes:int=1<<30, # shard size
-                  catalog=None,          # catalog file: record each shard's index rows in `hidden_index`
-                  target:str='',         # target id for the metadata (`target_id`)
-                  template_sha256:str='', # the chat template's hash, for the metadata
-                  rank:int=None, world:int=None, # default: torchrun's RANK / WORLD_SIZE, else 0 / 1
-                  on_batch=None,         # called with the first mode's running stats after each batch
-                 )->dict:                # mode -> samples, tokens, seconds, tokens_per_s, forward_s, skipped, shards, bytes, planned_bytes
+def extract_modes(
+    model,  # a loaded target (`load_target`)
+    samples,  # datasets.Dataset or list of dicts: sample_id, input_ids, loss_mask
+    outs: dict,  # mode ('bf16' or 'compact') -> store folder, one split
+    aux_layers: list = None,  # input-of-layer ids; default [2, N//2, N-3]
+    d2t=None,  # (Vd,) draft vocab offsets; compact only; None: the whole target vocab
+    topk: int = 64,  # compact: probabilities kept per token
+    token_budget: int = 16384,  # tokens per forward (batch size x longest sample)
+    max_pad: float = 0.0,  # padded share allowed per batch (0 keeps results bit-exact)
+    shard_bytes: int = 1 << 30,  # shard size
+    catalog=None,  # catalog file: record each shard's index rows in `hidden_index`
+    target: str = '',  # target id for the metadata (`target_id`)
+    template_sha256: str = '',  # the chat template's hash, for the metadata
+    rank: int = None,
+    world: int = None,  # default: torchrun's RANK / WORLD_SIZE, else 0 / 1
+    on_batch=None,  # called with the first mode's running stats after each batch
+) -> dict:  # mode -> samples, tokens, seconds, tokens_per_s, forward_s, skipped, shards, bytes, planned_bytes
     "Run the target over `samples` once and store their hidden states in every mode's store that lacks them, resuming where a run stopped"
     rank, world = rank_world(rank, world)
     sinks, todo = _plan_modes(model, samples, outs, aux_layers, d2t, topk, target, template_sha256, rank, world)
@@ -272,104 +376,211 @@ def extract_modes(model,                 # a loaded target (`load_target`)
     w = model.get_output_embeddings().weight  # (V, H)
     for k in sinks:
         Pk, out = k['P'], k['out']
-        if catalog: sync_index(catalog, out)  # a run killed between a shard's rename and its index rows left a gap
+        if catalog:
+            sync_index(catalog, out)  # a run killed between a shard's rename and its index rows left a gap
         on_shard = (lambda out: lambda path, rows: record_index(catalog, out, rows))(out) if catalog else None
-        k.update(todo={Pk['ids'][j] for j in Pk['todo']}, w_draft=w[Pk['tids'].to(w.device)] if k['mode'] == 'compact' else None,  # (Vd, H)
-                 wr=ShardWriter(out, Pk['meta'], shard_bytes, prefix=f'r{rank:03d}', on_shard=on_shard),
-                 st=dict(samples=0, tokens=0, skipped=Pk['skipped'], forward_s=0.0, planned_bytes=Pk['need'], free_bytes=pre['free_bytes']))
+        k.update(
+            todo={Pk['ids'][j] for j in Pk['todo']},
+            w_draft=w[Pk['tids'].to(w.device)] if k['mode'] == 'compact' else None,  # (Vd, H)
+            wr=ShardWriter(out, Pk['meta'], shard_bytes, prefix=f'r{rank:03d}', on_shard=on_shard),
+            st=dict(
+                samples=0,
+                tokens=0,
+                skipped=Pk['skipped'],
+                forward_s=0.0,
+                planned_bytes=Pk['need'],
+                free_bytes=pre['free_bytes'],
+            ),
+        )
     t0 = time.perf_counter()
     for batch in length_batches([P['lens'][j] for j in todo], token_budget, max_pad):
         _one_batch(model, [P['get'](todo[b]) for b in batch], P, sinks, st, topk, dev)
-        for k in sinks: k['st']['forward_s'] = st['forward_s']
-        if on_batch: on_batch(sinks[0]['st'])
-    for k in sinks: k['wr'].flush()
+        for k in sinks:
+            k['st']['forward_s'] = st['forward_s']
+        if on_batch:
+            on_batch(sinks[0]['st'])
+    for k in sinks:
+        k['wr'].flush()
     return _finish(sinks, time.perf_counter() - t0)
 
-def extract(model, samples, out_dir, # a loaded target; samples; the store folder (one split)
-            aux_layers:list=None, mode:str='bf16', d2t=None, topk:int=64, token_budget:int=16384, max_pad:float=0.0,
-            shard_bytes:int=1<<30, catalog=None, target:str='', template_sha256:str='', rank:int=None, world:int=None,
-            on_batch=None)->dict: # as `extract_modes`, one mode
+
+def extract(
+    model,
+    samples,
+    out_dir,  # a loaded target; samples; the store folder (one split)
+    aux_layers: list = None,
+    mode: str = 'bf16',
+    d2t=None,
+    topk: int = 64,
+    token_budget: int = 16384,
+    max_pad: float = 0.0,
+    shard_bytes: int = 1 << 30,
+    catalog=None,
+    target: str = '',
+    template_sha256: str = '',
+    rank: int = None,
+    world: int = None,
+    on_batch=None,
+) -> dict:  # as `extract_modes`, one mode
     "Run the target over `samples` and store their hidden states in `out_dir`, resuming where a previous run stopped"
-    return extract_modes(model, samples, {mode: out_dir}, aux_layers, d2t, topk, token_budget, max_pad, shard_bytes, catalog,
-                         target, template_sha256, rank, world, on_batch)[mode]
+    return extract_modes(
+        model,
+        samples,
+        {mode: out_dir},
+        aux_layers,
+        d2t,
+        topk,
+        token_budget,
+        max_pad,
+        shard_bytes,
+        catalog,
+        target,
+        template_sha256,
+        rank,
+        world,
+        on_batch,
+    )[mode]
 
 # %% ../nbs/50_extract.ipynb #e3e57d1d
-def load_d2t(vocab_dir)->torch.Tensor|None:
+def load_d2t(vocab_dir) -> torch.Tensor | None:
     "The draft vocab's `d2t` from the vocab phase's folder (d2t.pt or vocab.safetensors), None when absent"
     v = Path(vocab_dir)
-    if (v/'d2t.pt').exists(): return torch.load(v/'d2t.pt')
-    if (v/'vocab.safetensors').exists():
+    if (v / 'd2t.pt').exists():
+        return torch.load(v / 'd2t.pt')
+    if (v / 'vocab.safetensors').exists():
         from safetensors.torch import load_file
-        return load_file(str(v/'vocab.safetensors'))['d2t']
+
+        return load_file(str(v / 'vocab.safetensors'))['d2t']
     return None
 
-def corpus_splits(data_root, splits=('train', 'eval'), log=print)->dict:
+
+def corpus_splits(data_root, splits=('train', 'eval'), log=print) -> dict:
     "split -> Dataset for each split of `<data_root>/corpus/` that exists and has rows; the others are logged and skipped"
     from datasets import load_from_disk
+
     out = {}
     for s in splits:
-        d = Path(data_root)/'corpus'/s
-        if not d.exists(): log(f'skip {s}: no corpus at {d} (the merge phase writes it)'); continue
-        try: ds = load_from_disk(str(d))
-        except Exception as e: log(f'skip {s}: cannot read the corpus at {d}: {type(e).__name__}: {e}'); continue  # e.g. an empty save
-        if len(ds) == 0: log(f'skip {s}: the corpus at {d} is empty'); continue
+        d = Path(data_root) / 'corpus' / s
+        if not d.exists():
+            log(f'skip {s}: no corpus at {d} (the merge phase writes it)')
+            continue
+        try:
+            ds = load_from_disk(str(d))
+        except Exception as e:
+            log(f'skip {s}: cannot read the corpus at {d}: {type(e).__name__}: {e}')
+            continue  # e.g. an empty save
+        if len(ds) == 0:
+            log(f'skip {s}: the corpus at {d} is empty')
+            continue
         out[s] = ds
     return out
 
 # %% ../nbs/50_extract.ipynb #49a33f2a
-def _device_map(device_map:str)->str:
-    if device_map: return device_map
+def _device_map(device_map: str) -> str:
+    if device_map:
+        return device_map
     return f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else 'cpu'
+
 
 def _row(mode, split, st, rep):
     "One line of the phase's table"
-    return dict(mode=mode, split=split, samples=rep.get('samples'), new_samples=st['samples'], skipped=st['skipped'],
-                tokens=rep.get('tokens'), seconds=round(st['seconds'], 3), tokens_per_s=round(st['tokens_per_s']),
-                forward_tokens_per_s=round(st['tokens'] / max(st['forward_s'], 1e-9)), plan_bytes_per_token=st['bytes_per_token'],
-                bytes_per_token=round(rep['bytes'] / max(rep['tokens'], 1), 1) if rep.get('tokens') else None,
-                planned_bytes=st['planned_bytes'], new_bytes=st['bytes'], disk_bytes=rep.get('bytes'), shards=rep.get('shards'))
+    return dict(
+        mode=mode,
+        split=split,
+        samples=rep.get('samples'),
+        new_samples=st['samples'],
+        skipped=st['skipped'],
+        tokens=rep.get('tokens'),
+        seconds=round(st['seconds'], 3),
+        tokens_per_s=round(st['tokens_per_s']),
+        forward_tokens_per_s=round(st['tokens'] / max(st['forward_s'], 1e-9)),
+        plan_bytes_per_token=st['bytes_per_token'],
+        bytes_per_token=round(rep['bytes'] / max(rep['tokens'], 1), 1) if rep.get('tokens') else None,
+        planned_bytes=st['planned_bytes'],
+        new_bytes=st['bytes'],
+        disk_bytes=rep.get('bytes'),
+        shards=rep.get('shards'),
+    )
 
 # %% ../nbs/50_extract.ipynb #20cefe1e
 MODES, SPLITS = ('bf16', 'compact'), ('train', 'eval')
 
-def _check_request(root:Path, modes:list, splits:list):
+
+def _check_request(root: Path, modes: list, splits: list):
     "`ValueError` / `FileNotFoundError` for modes or splits extract does not know, or a data root with no corpus"
     for flag, got, known in (('--modes', modes, MODES), ('--splits', splits, SPLITS)):
-        if not got or any(x not in known for x in got): raise ValueError(f"{flag} {','.join(got)!r}: use one or more of {', '.join(known)}")
-    if not (root/'corpus').is_dir(): raise FileNotFoundError(f"{root/'corpus'}: no corpus; run the merge phase (40_merge, `eagle3nb merge RECIPE`) first")
+        if not got or any(x not in known for x in got):
+            raise ValueError(f"{flag} {','.join(got)!r}: use one or more of {', '.join(known)}")
+    if not (root / 'corpus').is_dir():
+        raise FileNotFoundError(
+            f"{root / 'corpus'}: no corpus; run the merge phase (40_merge, `eagle3nb merge RECIPE`) first"
+        )
 
 # %% ../nbs/50_extract.ipynb #c226c045
-def extract_recipe(recipe,              # recipe YAML path or resolved `Recipe`
-                   modes='bf16',        # comma-separated: bf16, compact
-                   splits='train,eval', # corpus splits
-                   topk:int=64, token_budget:int=16384, max_pad:float=0.0,
-                   shard_mb:int=1024,   # shard size, MB
-                   device_map:str='',   # default cuda:LOCAL_RANK with a GPU, else cpu
-                   log=print)->list:    # one dict per mode and split: `extract` stats + `validate` report
+def extract_recipe(
+    recipe,  # recipe YAML path or resolved `Recipe`
+    modes='bf16',  # comma-separated: bf16, compact
+    splits='train,eval',  # corpus splits
+    topk: int = 64,
+    token_budget: int = 16384,
+    max_pad: float = 0.0,
+    shard_mb: int = 1024,  # shard size, MB
+    device_map: str = '',  # default cuda:LOCAL_RANK with a GPU, else cpu
+    log=print,
+) -> list:  # one dict per mode and split: `extract` stats + `validate` report
     "Extract every corpus split of `recipe` in every mode; validate each store (single-rank runs)"
     from eagle3nb.render import load_tokenizer, template_sha256
     from eagle3nb.target import target_summary
+
     r = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     if r.target.toy:
         from eagle3nb.toy import ensure_toy
-        r = r.model_copy(deep=True); r.target.model = str(ensure_toy(r.target.toy, r.target.model))
+
+        r = r.model_copy(deep=True)
+        r.target.model = str(ensure_toy(r.target.toy, r.target.model))
     check_layer_weights(r.target.model)  # before anything runs: a target missing layers' weights gives random states
-    root, ml, sl = Path(r.data_root), [m.strip() for m in modes.split(',') if m.strip()], [s.strip() for s in splits.split(',') if s.strip()]
+    root, ml, sl = (
+        Path(r.data_root),
+        [m.strip() for m in modes.split(',') if m.strip()],
+        [s.strip() for s in splits.split(',') if s.strip()],
+    )
     _check_request(root, ml, sl)
     corpora = corpus_splits(root, sl, log)
-    if not corpora: log('nothing to extract'); return []
+    if not corpora:
+        log('nothing to extract')
+        return []
     aux = target_summary(r.target.model, r.target.aux_layers)['aux_layers']
-    d2t = load_d2t(root/'vocab') if 'compact' in ml else None
-    if 'compact' in ml and d2t is None: log(f'no draft vocab in {root/"vocab"}: compact mode uses the whole target vocabulary')
+    d2t = load_d2t(root / 'vocab') if 'compact' in ml else None
+    if 'compact' in ml and d2t is None:
+        log(f'no draft vocab in {root / "vocab"}: compact mode uses the whole target vocabulary')
     tid, tsha = target_id(r.target.model), template_sha256(load_tokenizer(r.target.model))
     model, (rank, world) = load_target(r.target.model, device_map=_device_map(device_map)), rank_world()
     rows = []
     for s, ds in corpora.items():  # every mode of a split from one forward per batch
-        outs = {mode: root/'hidden'/mode/s for mode in ml}
-        sts = extract_modes(model, ds, outs, aux_layers=aux, d2t=d2t, topk=topk, token_budget=token_budget, max_pad=max_pad,
-                            shard_bytes=shard_mb << 20, catalog=r.catalog, target=tid, template_sha256=tsha)
+        outs = {mode: root / 'hidden' / mode / s for mode in ml}
+        sts = extract_modes(
+            model,
+            ds,
+            outs,
+            aux_layers=aux,
+            d2t=d2t,
+            topk=topk,
+            token_budget=token_budget,
+            max_pad=max_pad,
+            shard_bytes=shard_mb << 20,
+            catalog=r.catalog,
+            target=tid,
+            template_sha256=tsha,
+        )
         for mode, out in outs.items():
             st = sts[mode]
-            rep = validate(out, corpus=ds, expect=dict(mode=mode, target=tid, template_sha256=tsha, layer_ids=aux)) if world == 1 else {}
-            rows.append(_row(mode, s, st, rep)); log(f'rank {rank}: {mode}/{s}: {st["samples"]} new samples, {st["tokens"]} tokens, {st["tokens_per_s"]:.0f} tokens/s')
+            rep = (
+                validate(out, corpus=ds, expect=dict(mode=mode, target=tid, template_sha256=tsha, layer_ids=aux))
+                if world == 1
+                else {}
+            )
+            rows.append(_row(mode, s, st, rep))
+            log(
+                f'rank {rank}: {mode}/{s}: {st["samples"]} new samples, {st["tokens"]} tokens, {st["tokens_per_s"]:.0f} tokens/s'
+            )
     return sorted(rows, key=lambda x: ml.index(x['mode']))  # mode by mode

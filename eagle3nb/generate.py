@@ -24,77 +24,117 @@ import concurrent.futures
 
 # %% ../nbs/30_generate.ipynb #40f67582
 GEN_DEFAULTS = dict(
-    mode='raw',              # raw: /v1/completions on the locally rendered prompt; chat: /v1/chat/completions
-    kinds=['prompt_only'],   # sample kinds to generate; add 'full' to replace answers that came from another model
-    turns='last',            # full samples: 'last' regenerates the last assistant turn with the whole history;
-                             # 'each' (chat mode) regenerates every assistant turn in order, replaying recorded tool results
-    temperature=0.0, top_p=1.0, seed=None,  # sampling, sent as is
-    max_new_tokens=0,        # cap on max_tokens; 0: max_tokens = partition ctx - prompt tokens
-    on_length='keep',        # finish_reason=length: 'keep' the truncated answer, or 'drop' it (state skipped)
-    c_main=0, c_long=0,      # concurrency per partition; 0: the catalog's partitions table
-    timeout=600.0,           # seconds without an answer before a request counts as hung
-    max_retries=8,           # retries of one request on 429, 5xx, timeouts, resets and bad bodies
-    backoff=0.5, backoff_max=30.0,  # first retry delay and cap (seconds), doubled per retry, jittered
-    sync_every=2.0,          # seconds between catalog state updates
+    mode='raw',  # raw: /v1/completions on the locally rendered prompt; chat: /v1/chat/completions
+    kinds=['prompt_only'],  # sample kinds to generate; add 'full' to replace answers that came from another model
+    turns='last',  # full samples: 'last' regenerates the last assistant turn with the whole history;
+    # 'each' (chat mode) regenerates every assistant turn in order, replaying recorded tool results
+    temperature=0.0,
+    top_p=1.0,
+    seed=None,  # sampling, sent as is
+    max_new_tokens=0,  # cap on max_tokens; 0: max_tokens = partition ctx - prompt tokens
+    on_length='keep',  # finish_reason=length: 'keep' the truncated answer, or 'drop' it (state skipped)
+    c_main=0,
+    c_long=0,  # concurrency per partition; 0: the catalog's partitions table
+    timeout=600.0,  # seconds without an answer before a request counts as hung
+    max_retries=8,  # retries of one request on 429, 5xx, timeouts, resets and bad bodies
+    backoff=0.5,
+    backoff_max=30.0,  # first retry delay and cap (seconds), doubled per retry, jittered
+    sync_every=2.0,  # seconds between catalog state updates
 )
 
-def gen_params(r=None, **kw)->dict:
+
+def gen_params(r=None, **kw) -> dict:
     "Generation parameters: defaults, then the recipe's `phases.generate`, then `kw`"
-    p = {**GEN_DEFAULTS, **((r.phases.get('generate') or {}) if r is not None else {}), **{k: v for k, v in kw.items() if v is not None}}
+    p = {
+        **GEN_DEFAULTS,
+        **((r.phases.get('generate') or {}) if r is not None else {}),
+        **{k: v for k, v in kw.items() if v is not None},
+    }
     bad = sorted(set(p) - set(GEN_DEFAULTS))
-    if bad: raise ValueError(f"unknown generate parameter(s) {bad}; known: {', '.join(GEN_DEFAULTS)}")
-    if p['mode'] not in ('raw', 'chat'): raise ValueError(f"mode {p['mode']!r}: use 'raw' or 'chat'")
-    if p['on_length'] not in ('keep', 'drop'): raise ValueError(f"on_length {p['on_length']!r}: use 'keep' or 'drop'")
-    if p['turns'] not in ('last', 'each'): raise ValueError(f"turns {p['turns']!r}: use 'last' or 'each'")
-    if p['turns'] == 'each' and p['mode'] != 'chat': raise ValueError("turns='each' needs mode='chat' (the server renders the regenerated history)")
+    if bad:
+        raise ValueError(f"unknown generate parameter(s) {bad}; known: {', '.join(GEN_DEFAULTS)}")
+    if p['mode'] not in ('raw', 'chat'):
+        raise ValueError(f"mode {p['mode']!r}: use 'raw' or 'chat'")
+    if p['on_length'] not in ('keep', 'drop'):
+        raise ValueError(f"on_length {p['on_length']!r}: use 'keep' or 'drop'")
+    if p['turns'] not in ('last', 'each'):
+        raise ValueError(f"turns {p['turns']!r}: use 'last' or 'each'")
+    if p['turns'] == 'each' and p['mode'] != 'chat':
+        raise ValueError("turns='each' needs mode='chat' (the server renders the regenerated history)")
     return p
 
 # %% ../nbs/30_generate.ipynb #2f991c27
 FINISHED = ('ok', 'dropped')  # record statuses that mean "never request this sample again"
 
-def gen_dir(data_root)->Path:
-    "Where a data root's shard files go: `<data_root>/generated`"
-    return Path(data_root)/'generated'
 
-def _open_shard(d:Path, partition:str)->tuple:
+def gen_dir(data_root) -> Path:
+    "Where a data root's shard files go: `<data_root>/generated`"
+    return Path(data_root) / 'generated'
+
+
+def _open_shard(d: Path, partition: str) -> tuple:
     "A new shard file in `d` for this process, opened for appending; (fd, path)"
     d.mkdir(parents=True, exist_ok=True)
     for n in range(10_000):
-        p = d/f'{partition}-{os.getpid()}-{n}.jsonl'
-        try: return os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644), p
-        except FileExistsError: continue  # an earlier process with the same pid
+        p = d / f'{partition}-{os.getpid()}-{n}.jsonl'
+        try:
+            return os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644), p
+        except FileExistsError:
+            continue  # an earlier process with the same pid
     raise RuntimeError(f'no free shard name in {d}')
 
 # %% ../nbs/30_generate.ipynb #ee841fa1
 class ShardWriter:
     "Append records as JSON lines to per-(dataset, partition) shard files of this process under `out`"
-    def __init__(self, out, fsync_every:float=1.0): # `generated/` folder; seconds between fsyncs (0: after every record)
-        self.root, self.fsync_every, self.fds, self.paths, self.last_sync = Path(out), fsync_every, {}, [], time.monotonic()
-    def write(self, rec:dict):
+
+    def __init__(
+        self, out, fsync_every: float = 1.0
+    ):  # `generated/` folder; seconds between fsyncs (0: after every record)
+        self.root, self.fsync_every, self.fds, self.paths, self.last_sync = (
+            Path(out),
+            fsync_every,
+            {},
+            [],
+            time.monotonic(),
+        )
+
+    def write(self, rec: dict):
         k = (rec['dataset'], rec['partition'])
         if k not in self.fds:
-            fd, p = _open_shard(self.root/k[0], k[1]); self.fds[k] = fd; self.paths.append(p)
-        os.write(self.fds[k], (json.dumps(rec, ensure_ascii=False) + '\n').encode())  # one syscall: whole line or a cut tail
-        if time.monotonic() - self.last_sync >= self.fsync_every: self.sync()
+            fd, p = _open_shard(self.root / k[0], k[1])
+            self.fds[k] = fd
+            self.paths.append(p)
+        os.write(
+            self.fds[k], (json.dumps(rec, ensure_ascii=False) + '\n').encode()
+        )  # one syscall: whole line or a cut tail
+        if time.monotonic() - self.last_sync >= self.fsync_every:
+            self.sync()
+
     def sync(self):
-        for fd in self.fds.values(): os.fsync(fd)
+        for fd in self.fds.values():
+            os.fsync(fd)
         self.last_sync = time.monotonic()
+
     def close(self):
         self.sync()
-        for fd in self.fds.values(): os.close(fd)
+        for fd in self.fds.values():
+            os.close(fd)
         self.fds = {}
 
 # %% ../nbs/30_generate.ipynb #559d2d65
-def read_shards(out, dataset:str=None)->list:
+def read_shards(out, dataset: str = None) -> list:
     "Every complete record in the shard files under `out` (a `generated/` folder), cut last lines skipped"
-    res, d = [], Path(out)/dataset if dataset else Path(out)
+    res, d = [], Path(out) / dataset if dataset else Path(out)
     for p in sorted(d.glob('*/*.jsonl') if dataset is None else d.glob('*.jsonl')):
         for line in p.read_bytes().split(b'\n')[:-1]:  # the part after the last newline is unfinished
-            try: res.append(json.loads(line))
-            except ValueError: pass  # a line cut by a kill, then continued by nobody: skip
+            try:
+                res.append(json.loads(line))
+            except ValueError:
+                pass  # a line cut by a kill, then continued by nobody: skip
     return res
 
-def finished_ids(out)->set:
+
+def finished_ids(out) -> set:
     "Sample ids that have a finished (ok or dropped) record under `out`"
     return {r['sample_id'] for r in read_shards(out) if r.get('status') in FINISHED}
 
@@ -102,208 +142,326 @@ def finished_ids(out)->set:
 @dataclass
 class Job:
     "One request to make"
-    sample_id:str; conversation_id:str; dataset:str; partition:str
-    prompt_ids:list            # the rendered prompt, target token ids
-    max_tokens:int             # generation budget
-    messages:list=None         # chat mode: OpenAI-style history (the target answers next)
-    tools:list=None            # chat mode: tool specs
-    prompt:str=None            # text of `prompt_ids`, filled in when a server takes text only
-    each:tuple=None            # turns='each': (first event, number of events) of the sample, regenerated in order
 
-def prompt_ids_of(row:dict, turns:str='last')->list:
+    sample_id: str
+    conversation_id: str
+    dataset: str
+    partition: str
+    prompt_ids: list  # the rendered prompt, target token ids
+    max_tokens: int  # generation budget
+    messages: list = None  # chat mode: OpenAI-style history (the target answers next)
+    tools: list = None  # chat mode: tool specs
+    prompt: str = None  # text of `prompt_ids`, filled in when a server takes text only
+    each: tuple = None  # turns='each': (first event, number of events) of the sample, regenerated in order
+
+
+def prompt_ids_of(row: dict, turns: str = 'last') -> list:
     "The prompt a rendered sample row asks the target to continue"
-    if row['prompt_only'] or not row['spans']: return list(row['input_ids'])
-    return list(row['input_ids'][:row['spans'][-1][0]])
+    if row['prompt_only'] or not row['spans']:
+        return list(row['input_ids'])
+    return list(row['input_ids'][: row['spans'][-1][0]])
 
-def budget(ctx:int, n_prompt:int, max_new_tokens:int=0)->int:
+
+def budget(ctx: int, n_prompt: int, max_new_tokens: int = 0) -> int:
     "max_tokens for a prompt of `n_prompt` tokens in a partition of context `ctx`"
     b = ctx - n_prompt
     return min(b, max_new_tokens) if max_new_tokens else b
 
 # %% ../nbs/30_generate.ipynb #c676c7f9
-def chat_history(messages:list, prompt_only:bool)->list:
+def chat_history(messages: list, prompt_only: bool) -> list:
     "The messages the target answers next: all of a prompt-only one, else all before the last assistant turn"
-    if prompt_only: return messages
+    if prompt_only:
+        return messages
     last = max(i for i, m in enumerate(messages) if m['role'] == 'assistant')
     return messages[:last]
 
 # %% ../nbs/30_generate.ipynb #24a61d6d
-def partitions_of(catalog)->dict:
+def partitions_of(catalog) -> dict:
     "`{partition: dict(ctx, concurrency)}` of main and long, from the catalog"
     from eagle3nb.catalog import query
+
     df = query(catalog, "SELECT partition, ctx, concurrency FROM partitions WHERE partition IN ('main', 'long')")
-    if not len(df): raise ValueError(f"{catalog} has no partitions; run the catalog phase (catalog.partition) first")
+    if not len(df):
+        raise ValueError(f"{catalog} has no partitions; run the catalog phase (catalog.partition) first")
     return {p: dict(ctx=int(c), concurrency=int(k)) for p, c, k in df.values}
 
-def _wanted(catalog, kinds)->pd.DataFrame:
+
+def _wanted(catalog, kinds) -> pd.DataFrame:
     from eagle3nb.catalog import samples_df
-    return samples_df(catalog, where="partition IN ('main', 'long') AND list_contains(?, kind)", params=[list(kinds)],
-                      columns=['sample_id', 'conversation_id', 'dataset', 'kind', 'partition'])
+
+    return samples_df(
+        catalog,
+        where="partition IN ('main', 'long') AND list_contains(?, kind)",
+        params=[list(kinds)],
+        columns=['sample_id', 'conversation_id', 'dataset', 'kind', 'partition'],
+    )
 
 # %% ../nbs/30_generate.ipynb #32132a31
-def _history(prepared_dir, cids:set)->dict:
+def _history(prepared_dir, cids: set) -> dict:
     "`{conversation_id: (messages, tools)}` from a prepared dataset"
     from eagle3nb.prepare import load_prepared
+
     t = load_prepared(prepared_dir).data.table
     keep = [i for i, c in enumerate(t['sample_id'].to_pylist()) if c in cids]
     sub = t.take(keep).select(['sample_id', 'messages', 'tools']).to_pylist()
     from eagle3nb.schema import from_record
+
     return {r['sample_id']: (c['messages'], c['tools']) for r in sub for c in [from_record(r)]}
 
-def load_jobs(r, p:dict, skip:set=frozenset())->tuple:
+
+def load_jobs(r, p: dict, skip: set = frozenset()) -> tuple:
     "Jobs for recipe `r` with parameters `p`, minus `skip`; and rows that cannot be sent, as failure records"
     from datasets import load_from_disk
+
     parts, want = partitions_of(r.catalog), _wanted(r.catalog, p['kinds'])
     want = want[~want.sample_id.isin(skip)]
     jobs, bad, root = [], [], Path(r.data_root)
     for ds, g in want.groupby('dataset'):
-        part = dict(zip(g.sample_id, g.partition)); rd = load_from_disk(str(root/'rendered'/ds))
+        part = dict(zip(g.sample_id, g.partition))
+        rd = load_from_disk(str(root / 'rendered' / ds))
         idx = [i for i, s in enumerate(rd['sample_id']) if s in part]
-        hist = _history(root/'prepared'/ds, set(g.conversation_id)) if p['mode'] == 'chat' else {}
+        hist = _history(root / 'prepared' / ds, set(g.conversation_id)) if p['mode'] == 'chat' else {}
         for row in rd.select(idx):
             pid, pt = prompt_ids_of(row, p['turns']), part[row['sample_id']]
-            j = Job(row['sample_id'], row['conversation_id'], ds, pt, pid, budget(parts[pt]['ctx'], len(pid), p['max_new_tokens']))
+            j = Job(
+                row['sample_id'],
+                row['conversation_id'],
+                ds,
+                pt,
+                pid,
+                budget(parts[pt]['ctx'], len(pid), p['max_new_tokens']),
+            )
             if p['mode'] == 'chat':
-                ms, tools = hist[row['conversation_id']]; j.messages, j.tools = chat_history(ms, row['prompt_only']), tools
-                if p['turns'] == 'each' and not row['prompt_only']: j.messages, j.each = ms, (int(row['sample_id'][-2:]), row['n_events'])
-            if j.max_tokens <= 0: bad.append(fail_record(j, f"prompt of {len(pid)} tokens leaves no room in ctx {parts[pt]['ctx']}", 0))
-            else: jobs.append(j)
+                ms, tools = hist[row['conversation_id']]
+                j.messages, j.tools = chat_history(ms, row['prompt_only']), tools
+                if p['turns'] == 'each' and not row['prompt_only']:
+                    j.messages, j.each = ms, (int(row['sample_id'][-2:]), row['n_events'])
+            if j.max_tokens <= 0:
+                bad.append(fail_record(j, f"prompt of {len(pid)} tokens leaves no room in ctx {parts[pt]['ctx']}", 0))
+            else:
+                jobs.append(j)
     return jobs, bad
 
 # %% ../nbs/30_generate.ipynb #cca67545
-def _base(j:Job)->dict:
+def _base(j: Job) -> dict:
     return dict(sample_id=j.sample_id, conversation_id=j.conversation_id, dataset=j.dataset, partition=j.partition)
 
-def fail_record(j:Job, reason:str, attempts:int)->dict:
+
+def fail_record(j: Job, reason: str, attempts: int) -> dict:
     "The record of a request that failed for good"
     return dict(_base(j), status='failed', error=reason, attempts=attempts, finished=time.time())
 
-def _message(js:dict)->dict:
-    m = js['choices'][0].get('message') or {}
-    return dict(content=m.get('content'), reasoning_content=m.get('reasoning_content') or m.get('reasoning'),
-                tool_calls=m.get('tool_calls'))
 
-def ok_record(j:Job, js:dict, mode:str, caps:dict, on_length:str, **meta)->dict:
+def _message(js: dict) -> dict:
+    m = js['choices'][0].get('message') or {}
+    return dict(
+        content=m.get('content'),
+        reasoning_content=m.get('reasoning_content') or m.get('reasoning'),
+        tool_calls=m.get('tool_calls'),
+    )
+
+
+def ok_record(j: Job, js: dict, mode: str, caps: dict, on_length: str, **meta) -> dict:
     "The record of a finished request, from the server's JSON"
     ch, u = js['choices'][0], js.get('usage') or {}
     fin = ch.get('finish_reason')
-    out = dict(_base(j), status='dropped' if fin == 'length' and on_length == 'drop' else 'ok', finish_reason=fin,
-               truncated=fin == 'length', mode=mode, prompt_tokens=u.get('prompt_tokens'), completion_tokens=u.get('completion_tokens'),
-               sent_prompt_tokens=len(j.prompt_ids), max_tokens=j.max_tokens)
-    if mode == 'chat': out.update(_message(js))
-    else: out.update(text=ch.get('text'), token_ids=ch.get('token_ids') or ch.get('output_ids'),
-                     special_tokens_kept=bool(caps.get('skip_special_tokens')))
+    out = dict(
+        _base(j),
+        status='dropped' if fin == 'length' and on_length == 'drop' else 'ok',
+        finish_reason=fin,
+        truncated=fin == 'length',
+        mode=mode,
+        prompt_tokens=u.get('prompt_tokens'),
+        completion_tokens=u.get('completion_tokens'),
+        sent_prompt_tokens=len(j.prompt_ids),
+        max_tokens=j.max_tokens,
+    )
+    if mode == 'chat':
+        out.update(_message(js))
+    else:
+        out.update(
+            text=ch.get('text'),
+            token_ids=ch.get('token_ids') or ch.get('output_ids'),
+            special_tokens_kept=bool(caps.get('skip_special_tokens')),
+        )
     return {**out, **meta}
 
 # %% ../nbs/30_generate.ipynb #02317a35
-CAPS_LADDER = [dict(prompt_ids=True, skip_special_tokens=True, return_token_ids=True),
-               dict(prompt_ids=False, skip_special_tokens=True, return_token_ids=True),
-               dict(prompt_ids=False, skip_special_tokens=True, return_token_ids=False),
-               dict(prompt_ids=False, skip_special_tokens=False, return_token_ids=False)]
+CAPS_LADDER = [
+    dict(prompt_ids=True, skip_special_tokens=True, return_token_ids=True),
+    dict(prompt_ids=False, skip_special_tokens=True, return_token_ids=True),
+    dict(prompt_ids=False, skip_special_tokens=True, return_token_ids=False),
+    dict(prompt_ids=False, skip_special_tokens=False, return_token_ids=False),
+]
 
-def _sampling(p:dict)->dict:
+
+def _sampling(p: dict) -> dict:
     return {k: p[k] for k in ('temperature', 'top_p', 'seed') if p.get(k) is not None}
 
-def raw_body(j:Job, model:str, caps:dict, p:dict)->dict:
+
+def raw_body(j: Job, model: str, caps: dict, p: dict) -> dict:
     "The /v1/completions body of `j` for a server with capabilities `caps`"
-    b = dict(model=model, prompt=j.prompt_ids if caps['prompt_ids'] else j.prompt, max_tokens=j.max_tokens, **_sampling(p))
-    if caps['skip_special_tokens']: b['skip_special_tokens'] = False
-    if caps['return_token_ids']: b['return_token_ids'] = True
+    b = dict(
+        model=model, prompt=j.prompt_ids if caps['prompt_ids'] else j.prompt, max_tokens=j.max_tokens, **_sampling(p)
+    )
+    if caps['skip_special_tokens']:
+        b['skip_special_tokens'] = False
+    if caps['return_token_ids']:
+        b['return_token_ids'] = True
     return b
 
-def chat_body(j:Job, model:str, p:dict, thinking:bool=True)->dict:
+
+def chat_body(j: Job, model: str, p: dict, thinking: bool = True) -> dict:
     "The /v1/chat/completions body of `j`"
-    b = dict(model=model, messages=[{k: v for k, v in m.items() if v is not None} for m in j.messages], max_tokens=j.max_tokens,
-             chat_template_kwargs=dict(thinking=thinking, enable_thinking=thinking), **_sampling(p))
-    if j.tools: b['tools'] = j.tools
+    b = dict(
+        model=model,
+        messages=[{k: v for k, v in m.items() if v is not None} for m in j.messages],
+        max_tokens=j.max_tokens,
+        chat_template_kwargs=dict(thinking=thinking, enable_thinking=thinking),
+        **_sampling(p),
+    )
+    if j.tools:
+        b['tools'] = j.tools
     return b
 
 # %% ../nbs/30_generate.ipynb #e1ed5cf6
 class Retryable(Exception):
     "A failure worth retrying; `kind` names it, `wait` is the server's Retry-After (seconds) if any"
-    def __init__(self, kind:str, msg:str, wait:float=None): super().__init__(msg); self.kind, self.wait = kind, wait
+
+    def __init__(self, kind: str, msg: str, wait: float = None):
+        super().__init__(msg)
+        self.kind, self.wait = kind, wait
+
 
 class Permanent(Exception):
     "A failure that retrying will not fix (4xx other than 429), with the server's reason"
-    def __init__(self, status:int, msg:str): super().__init__(msg); self.status = status
 
-def _retry_after(h)->float|None:
-    try: return max(0.0, float(h)) if h is not None else None
-    except ValueError: return None  # an HTTP date: fall back to our own backoff
+    def __init__(self, status: int, msg: str):
+        super().__init__(msg)
+        self.status = status
+
+
+def _retry_after(h) -> float | None:
+    try:
+        return max(0.0, float(h)) if h is not None else None
+    except ValueError:
+        return None  # an HTTP date: fall back to our own backoff
 
 # %% ../nbs/30_generate.ipynb #41e4876f
-def check_response(status:int, text:str, headers=None)->dict:
+def check_response(status: int, text: str, headers=None) -> dict:
     "The JSON of a good answer; raise `Retryable` or `Permanent` otherwise"
-    if status == 429: raise Retryable('429', f'HTTP 429: {text[:200]}', _retry_after((headers or {}).get('retry-after')))
-    if status >= 500: raise Retryable('5xx', f'HTTP {status}: {text[:200]}')
-    if status >= 400: raise Permanent(status, f'HTTP {status}: {text[:500]}')
-    try: js = json.loads(text)
-    except ValueError: raise Retryable('bad_body', f'invalid JSON body ({len(text)} bytes): {text[:80]!r}') from None
-    if not isinstance(js, dict) or not js.get('choices'): raise Retryable('bad_body', f'no choices in body: {text[:80]!r}')
+    if status == 429:
+        raise Retryable('429', f'HTTP 429: {text[:200]}', _retry_after((headers or {}).get('retry-after')))
+    if status >= 500:
+        raise Retryable('5xx', f'HTTP {status}: {text[:200]}')
+    if status >= 400:
+        raise Permanent(status, f'HTTP {status}: {text[:500]}')
+    try:
+        js = json.loads(text)
+    except ValueError:
+        raise Retryable('bad_body', f'invalid JSON body ({len(text)} bytes): {text[:80]!r}') from None
+    if not isinstance(js, dict) or not js.get('choices'):
+        raise Retryable('bad_body', f'no choices in body: {text[:80]!r}')
     return js
 
-def backoff_delay(attempt:int, base:float=0.5, cap:float=30.0, retry_after:float=None)->float:
+
+def backoff_delay(attempt: int, base: float = 0.5, cap: float = 30.0, retry_after: float = None) -> float:
     "Seconds to wait before retry `attempt` (1, 2, ...): the server's Retry-After, else full jitter under `base * 2**(attempt-1)`"
-    if retry_after is not None: return min(retry_after, cap)
+    if retry_after is not None:
+        return min(retry_after, cap)
     return random.uniform(0, min(cap, base * 2 ** (attempt - 1)))
 
 # %% ../nbs/30_generate.ipynb #e8cbe669
 class EndpointPool:
     "Base URLs with their in-flight request counts; `pick` the least loaded"
-    def __init__(self, urls:list):
-        if not urls: raise ValueError('no endpoints: set target.endpoints, or run inside target_session to serve locally')
-        self.out = {u.rstrip('/'): 0 for u in urls}; self.caps = {}
-    def pick(self)->str:
-        u = min(self.out, key=self.out.get); self.out[u] += 1; return u
-    def release(self, u:str): self.out[u] -= 1
+
+    def __init__(self, urls: list):
+        if not urls:
+            raise ValueError('no endpoints: set target.endpoints, or run inside target_session to serve locally')
+        self.out = {u.rstrip('/'): 0 for u in urls}
+        self.caps = {}
+
+    def pick(self) -> str:
+        u = min(self.out, key=self.out.get)
+        self.out[u] += 1
+        return u
+
+    def release(self, u: str):
+        self.out[u] -= 1
 
 # %% ../nbs/30_generate.ipynb #0a38bc71
-async def post_json(client:httpx.AsyncClient, url:str, body:dict)->dict:
+async def post_json(client: httpx.AsyncClient, url: str, body: dict) -> dict:
     "POST `body`, return the checked JSON; transport failures become `Retryable`"
-    try: resp = await client.post(url, json=body)
-    except httpx.TimeoutException as e: raise Retryable('timeout', f'no answer within the timeout ({type(e).__name__})') from None
-    except httpx.TransportError as e: raise Retryable('connection', f'{type(e).__name__}: {e}') from None
+    try:
+        resp = await client.post(url, json=body)
+    except httpx.TimeoutException as e:
+        raise Retryable('timeout', f'no answer within the timeout ({type(e).__name__})') from None
+    except httpx.TransportError as e:
+        raise Retryable('connection', f'{type(e).__name__}: {e}') from None
     return check_response(resp.status_code, resp.text, resp.headers)
+
 
 class ClientPool:
     "httpx clients lent one per request in flight (httpcore scans every pooled connection per request: many small pools beat one big one)"
-    def __init__(self, timeout:float, headers:dict=None, n_endpoints:int=1):
+
+    def __init__(self, timeout: float, headers: dict = None, n_endpoints: int = 1):
         import ssl
-        self.kw = dict(timeout=httpx.Timeout(timeout, connect=min(30.0, timeout)), headers=headers, verify=ssl.create_default_context(),
-                       limits=httpx.Limits(max_connections=n_endpoints, max_keepalive_connections=n_endpoints))
+
+        self.kw = dict(
+            timeout=httpx.Timeout(timeout, connect=min(30.0, timeout)),
+            headers=headers,
+            verify=ssl.create_default_context(),
+            limits=httpx.Limits(max_connections=n_endpoints, max_keepalive_connections=n_endpoints),
+        )
         self.free, self.all = [], []
-    def get(self)->httpx.AsyncClient:
-        if not self.free: self.all.append(httpx.AsyncClient(**self.kw)); return self.all[-1]
+
+    def get(self) -> httpx.AsyncClient:
+        if not self.free:
+            self.all.append(httpx.AsyncClient(**self.kw))
+            return self.all[-1]
         return self.free.pop()
-    def put(self, c): self.free.append(c)
-    async def post(self, url:str, body:dict)->dict:
+
+    def put(self, c):
+        self.free.append(c)
+
+    async def post(self, url: str, body: dict) -> dict:
         "`post_json` on a lent client"
         c = self.get()
-        try: return await post_json(c, url, body)
-        finally: self.put(c)
+        try:
+            return await post_json(c, url, body)
+        finally:
+            self.put(c)
+
     async def aclose(self):
-        for c in self.all: await c.aclose()
+        for c in self.all:
+            await c.aclose()
 
 # %% ../nbs/30_generate.ipynb #17455df8
-async def with_retries(f, p:dict, stats:Counter):
+async def with_retries(f, p: dict, stats: Counter):
     "Await `f()` until it succeeds, fails for good, or runs out of retries; returns (json, attempts)"
     for attempt in range(1, p['max_retries'] + 2):
-        try: return await f(), attempt
+        try:
+            return await f(), attempt
         except Retryable as e:
             stats[f'retry_{e.kind}'] += 1
-            if attempt > p['max_retries']: raise Permanent(0, f'gave up after {attempt} attempts; last: {e}') from None
+            if attempt > p['max_retries']:
+                raise Permanent(0, f'gave up after {attempt} attempts; last: {e}') from None
             await asyncio.sleep(backoff_delay(attempt, p['backoff'], p['backoff_max'], e.wait))
 
 # %% ../nbs/30_generate.ipynb #73cfd23a
-async def probe_caps(run, url:str, j:Job)->dict:
+async def probe_caps(run, url: str, j: Job) -> dict:
     "The first entry of `CAPS_LADDER` that endpoint `url` accepts, tried on job `j` with max_tokens=1"
     errs = []
     for caps in CAPS_LADDER:
-        if not caps['prompt_ids']: prompt_text(run, j)
+        if not caps['prompt_ids']:
+            prompt_text(run, j)
         b = {**raw_body(j, run.model, caps, run.p), 'max_tokens': 1}
-        try: await with_retries(lambda: run.clients.post(f'{url}/completions', b), run.p, run.stats); return dict(caps)
+        try:
+            await with_retries(lambda: run.clients.post(f'{url}/completions', b), run.p, run.stats)
+            return dict(caps)
         except Permanent as e:
-            if e.status not in (400, 422): raise
+            if e.status not in (400, 422):
+                raise
             errs.append(str(e))
     raise Permanent(400, f'{url} accepts none of the raw request forms: ' + ' | '.join(errs))
 
@@ -311,60 +469,87 @@ async def probe_caps(run, url:str, j:Job)->dict:
 @dataclass
 class Run:
     "The state of one generate run"
-    clients:ClientPool  # httpx clients
-    pool:EndpointPool; model:str; p:dict; writer:ShardWriter
-    thinking:bool=True; tok:object=None  # tokenizer, or a function that loads it (text prompts only)
-    stats:Counter=field(default_factory=Counter); pending:list=field(default_factory=list); marks:dict=field(default_factory=dict)
-    log:list=field(default_factory=list)  # (finish time, partition, status, completion tokens)
-    special:tuple=None  # the target's special tokens (`target.special_texts`), found on first use
 
-def prompt_text(run:Run, j:Job)->str:
+    clients: ClientPool  # httpx clients
+    pool: EndpointPool
+    model: str
+    p: dict
+    writer: ShardWriter
+    thinking: bool = True
+    tok: object = None  # tokenizer, or a function that loads it (text prompts only)
+    stats: Counter = field(default_factory=Counter)
+    pending: list = field(default_factory=list)
+    marks: dict = field(default_factory=dict)
+    log: list = field(default_factory=list)  # (finish time, partition, status, completion tokens)
+    special: tuple = None  # the target's special tokens (`target.special_texts`), found on first use
+
+
+def prompt_text(run: Run, j: Job) -> str:
     "`j.prompt`, decoded from its ids with special tokens on first use"
     if j.prompt is None:
-        if callable(run.tok) and not hasattr(run.tok, 'decode'): run.tok = run.tok()
+        if callable(run.tok) and not hasattr(run.tok, 'decode'):
+            run.tok = run.tok()
         j.prompt = run.tok.decode(j.prompt_ids, skip_special_tokens=False)
     return j.prompt
 
-async def _request(run:Run, j:Job, url:str)->dict:
+
+async def _request(run: Run, j: Job, url: str) -> dict:
     "Send job `j` to `url` once"
-    if run.p['mode'] == 'chat': return await run.clients.post(f'{url}/chat/completions', chat_body(j, run.model, run.p, run.thinking))
+    if run.p['mode'] == 'chat':
+        return await run.clients.post(f'{url}/chat/completions', chat_body(j, run.model, run.p, run.thinking))
     caps = run.pool.caps[url]
-    if not caps['prompt_ids']: prompt_text(run, j)
+    if not caps['prompt_ids']:
+        prompt_text(run, j)
     return await run.clients.post(f'{url}/completions', raw_body(j, run.model, caps, run.p))
 
 # %% ../nbs/30_generate.ipynb #f78961fe
-async def _send(run:Run, j:Job, used:list)->dict:
+async def _send(run: Run, j: Job, used: list) -> dict:
     "One attempt at job `j` on the least loaded endpoint (appended to `used`)"
-    url = run.pool.pick(); used.append(url)
-    try: return await _request(run, j, url)
-    finally: run.pool.release(url)
+    url = run.pool.pick()
+    used.append(url)
+    try:
+        return await _request(run, j, url)
+    finally:
+        run.pool.release(url)
 
-async def do_job(run:Run, j:Job)->dict:
+
+async def do_job(run: Run, j: Job) -> dict:
     "Run job `j` to a finished or failed record, write it, queue its catalog state"
     t0, used = time.time(), []
     try:
-        if j.each: rec = await regenerate_turns(run, j, used)
+        if j.each:
+            rec = await regenerate_turns(run, j, used)
         else:
             js, n = await with_retries(lambda: _send(run, j, used), run.p, run.stats)
-            rec = ok_record(j, js, run.p['mode'], run.pool.caps.get(used[-1], {}), run.p['on_length'], attempts=n, endpoint=used[-1])
+            rec = ok_record(
+                j, js, run.p['mode'], run.pool.caps.get(used[-1], {}), run.p['on_length'], attempts=n, endpoint=used[-1]
+            )
         why = response_problem(rec, response_texts(run)) if run.p['mode'] == 'chat' else None
-        if why: rec.update(status='dropped', error=why)  # text that holds the target's special tokens
+        if why:
+            rec.update(status='dropped', error=why)  # text that holds the target's special tokens
         rec.update(started=t0, finished=time.time())
-    except Permanent as e: rec = fail_record(j, str(e), len(used))
-    run.writer.write(rec); run.pending.append(rec)
+    except Permanent as e:
+        rec = fail_record(j, str(e), len(used))
+    run.writer.write(rec)
+    run.pending.append(rec)
     st, p, n = run.stats, j.partition, rec.get('completion_tokens') or 0
-    st[rec['status']] += 1; st['truncated'] += bool(rec.get('truncated')); st[f'n_{p}'] += 1; st[f'tok_{p}'] += n
+    st[rec['status']] += 1
+    st['truncated'] += bool(rec.get('truncated'))
+    st[f'n_{p}'] += 1
+    st[f'tok_{p}'] += n
     st[f"failed_{p}"] += rec['status'] == 'failed'
     run.log.append((rec['finished'], j.partition, rec['status'], rec.get('completion_tokens') or 0))
     return rec
 
 # %% ../nbs/30_generate.ipynb #8f5efc69
-def response_texts(run:Run)->tuple:
+def response_texts(run: Run) -> tuple:
     "The target's special tokens, from its tokenizer (loaded on first use); every family's control strings without one"
     if run.special is None:
         from eagle3nb.target import special_texts
+
         try:
-            if callable(run.tok) and not hasattr(run.tok, 'decode'): run.tok = run.tok()
+            if callable(run.tok) and not hasattr(run.tok, 'decode'):
+                run.tok = run.tok()
             run.special = special_texts(run.tok)
         except Exception as e:  # e.g. a tokenizer that runs its own code: check every family's control strings instead
             why = f'no tokenizer for the special-token check ({type(e).__name__})'
@@ -372,242 +557,411 @@ def response_texts(run:Run)->tuple:
             run.special = special_texts()
     return run.special
 
-def response_problem(rec:dict, # a chat-mode record (`ok_record`, or `regenerate_turns`' with its `turns`)
-                     texts, # the target's special tokens
-                    )->str|None: # the reason to drop it, None when its texts hold none
+
+def response_problem(
+    rec: dict,  # a chat-mode record (`ok_record`, or `regenerate_turns`' with its `turns`)
+    texts,  # the target's special tokens
+) -> str | None:  # the reason to drop it, None when its texts hold none
     "Which text of the target's answer in `rec` holds one of its special tokens"
     from eagle3nb.schema import special_in_message
-    if rec.get('status') not in FINISHED or rec.get('mode') != 'chat': return None
-    if 'turns' not in rec: return (w := special_in_message(rec, texts)) and f'response {w}'
+
+    if rec.get('status') not in FINISHED or rec.get('mode') != 'chat':
+        return None
+    if 'turns' not in rec:
+        return (w := special_in_message(rec, texts)) and f'response {w}'
     found = ((k, special_in_message(t, texts)) for k, t in enumerate(rec['turns']))
     return next((f'response turn {k} {w}' for k, w in found if w), None)
 
 # %% ../nbs/30_generate.ipynb #37dedcf7
-def replay(recorded:list, # the recorded messages after an assistant turn, up to the next one
-           old:list, new:list)->list: # the recorded turn's tool calls; the regenerated turn's
+def replay(
+    recorded: list,  # the recorded messages after an assistant turn, up to the next one
+    old: list,
+    new: list,
+) -> list:  # the recorded turn's tool calls; the regenerated turn's
     "`recorded` with tool results re-addressed from `old` call ids to `new` ones"
     ids = {o.get('id'): n.get('id') for o, n in zip(old, new)}
-    return [{**m, 'tool_call_id': ids.get(m.get('tool_call_id'), m.get('tool_call_id'))} if m['role'] == 'tool' else m for m in recorded]
+    return [
+        {**m, 'tool_call_id': ids.get(m.get('tool_call_id'), m.get('tool_call_id'))} if m['role'] == 'tool' else m
+        for m in recorded
+    ]
 
-async def regenerate_turns(run:Run, j:Job, used:list)->dict:
+
+async def regenerate_turns(run: Run, j: Job, used: list) -> dict:
     "The record of sample `j` with its assistant turns `j.each` regenerated in order"
     ms, (first, n) = j.messages, j.each
-    turns = [i for i, m in enumerate(ms) if m['role'] == 'assistant'][first:first + n]
-    hist, out, diverged = list(ms[:turns[0]]), [], None
+    turns = [i for i, m in enumerate(ms) if m['role'] == 'assistant'][first : first + n]
+    hist, out, diverged = list(ms[: turns[0]]), [], None
     for k, t in enumerate(turns):
-        sub = Job(j.sample_id, j.conversation_id, j.dataset, j.partition, [], j.max_tokens, messages=list(hist), tools=j.tools)
+        sub = Job(
+            j.sample_id, j.conversation_id, j.dataset, j.partition, [], j.max_tokens, messages=list(hist), tools=j.tools
+        )
         js, _ = await with_retries(lambda: _send(run, sub, used), run.p, run.stats)
         m, ch, u = _message(js), js['choices'][0], js.get('usage') or {}
         out.append(dict(m, finish_reason=ch.get('finish_reason'), completion_tokens=u.get('completion_tokens')))
-        hist.append({k2: v for k2, v in dict(role='assistant', content=m['content'] or '', reasoning_content=m['reasoning_content'],
-                                             tool_calls=m['tool_calls']).items() if v is not None})
-        if k + 1 == len(turns): break
+        hist.append(
+            {
+                k2: v
+                for k2, v in dict(
+                    role='assistant',
+                    content=m['content'] or '',
+                    reasoning_content=m['reasoning_content'],
+                    tool_calls=m['tool_calls'],
+                ).items()
+                if v is not None
+            }
+        )
+        if k + 1 == len(turns):
+            break
         old, new = ms[t].get('tool_calls') or [], m['tool_calls'] or []
-        if len(old) != len(new): diverged = k; break
-        hist += replay(ms[t + 1:turns[k + 1]], old, new)
+        if len(old) != len(new):
+            diverged = k
+            break
+        hist += replay(ms[t + 1 : turns[k + 1]], old, new)
     trunc = any(x['finish_reason'] == 'length' for x in out)
-    return dict(_base(j), status='dropped' if trunc and run.p['on_length'] == 'drop' else 'ok', mode='chat', turns=out, messages=hist,
-                diverged_at=diverged, finish_reason=out[-1]['finish_reason'], truncated=trunc, attempts=len(used), endpoint=used[-1],
-                completion_tokens=sum(x['completion_tokens'] or 0 for x in out))
+    return dict(
+        _base(j),
+        status='dropped' if trunc and run.p['on_length'] == 'drop' else 'ok',
+        mode='chat',
+        turns=out,
+        messages=hist,
+        diverged_at=diverged,
+        finish_reason=out[-1]['finish_reason'],
+        truncated=trunc,
+        attempts=len(used),
+        endpoint=used[-1],
+        completion_tokens=sum(x['completion_tokens'] or 0 for x in out),
+    )
 
 # %% ../nbs/30_generate.ipynb #ca45ab3f
-async def run_partition(run:Run, jobs:list, concurrency:int, bar=None):
+async def run_partition(run: Run, jobs: list, concurrency: int, bar=None):
     "All `jobs` of one partition, at most `concurrency` in flight"
     sem, tasks = asyncio.Semaphore(concurrency), set()
+
     async def one(j):
         try:
             await do_job(run, j)
-            if bar is not None and not bar.disable: _tick(run, j.partition, bar)
-        finally: sem.release()
+            if bar is not None and not bar.disable:
+                _tick(run, j.partition, bar)
+        finally:
+            sem.release()
+
     for j in jobs:
         await sem.acquire()
-        t = asyncio.create_task(one(j)); tasks.add(t); t.add_done_callback(tasks.discard)
-    if tasks: await asyncio.gather(*tasks)
+        t = asyncio.create_task(one(j))
+        tasks.add(t)
+        t.add_done_callback(tasks.discard)
+    if tasks:
+        await asyncio.gather(*tasks)
 
-def _tick(run:Run, part:str, bar, every:float=0.5):
+
+def _tick(run: Run, part: str, bar, every: float = 0.5):
     "Advance `bar`; every `every` s, show req/s and output tok/s since the last refresh, and failures"
     bar.update(1)
     now, st = time.monotonic(), run.stats
     t, n, tok = run.marks.get(part, (now, 0, 0))
-    if part not in run.marks: run.marks[part] = (now, 0, 0)
-    if now - t < every: return
+    if part not in run.marks:
+        run.marks[part] = (now, 0, 0)
+    if now - t < every:
+        return
     dn, dtok = st[f'n_{part}'] - n, st[f'tok_{part}'] - tok
-    bar.set_postfix_str(f"{dn/(now-t):.1f} req/s, {dtok/(now-t):.0f} tok/s, {st[f'failed_{part}']} failed", refresh=False)
+    bar.set_postfix_str(
+        f"{dn / (now - t):.1f} req/s, {dtok / (now - t):.0f} tok/s, {st[f'failed_{part}']} failed", refresh=False
+    )
     run.marks[part] = (now, st[f'n_{part}'], st[f'tok_{part}'])
 
 # %% ../nbs/30_generate.ipynb #1b4474de
 STATE_OF = dict(ok='done', dropped='skipped', failed='failed')
 
-def latest(recs:list)->dict:
+
+def latest(recs: list) -> dict:
     "`{sample_id: record}`: a finished record where there is one, else the last"
     out = {}
     for r in recs:
-        if r['sample_id'] not in out or out[r['sample_id']]['status'] not in FINISHED: out[r['sample_id']] = r
+        if r['sample_id'] not in out or out[r['sample_id']]['status'] not in FINISHED:
+            out[r['sample_id']] = r
     return out
 
-def sync_catalog(catalog, recs:list, phase:str='generate')->int:
+
+def sync_catalog(catalog, recs: list, phase: str = 'generate') -> int:
     "Write the catalog state of each record's sample; returns the rows written"
     from eagle3nb.catalog import set_state
+
     last = latest(recs)
     by = defaultdict(list)
-    for r in last.values(): by[STATE_OF[r['status']]].append(r)
+    for r in last.values():
+        by[STATE_OF[r['status']]].append(r)
     for st, rs in by.items():
         det = [r.get('error') or ('finish_reason=length' if r.get('truncated') else None) for r in rs]
         set_state(catalog, [r['sample_id'] for r in rs], phase, st, det)
     return len(last)
 
-async def _syncer(run:Run, catalog, every:float, stop:asyncio.Event):
+
+async def _syncer(run: Run, catalog, every: float, stop: asyncio.Event):
     "Flush queued states to the catalog every `every` seconds until `stop`, then once more"
     while True:
-        try: await asyncio.wait_for(stop.wait(), every)
-        except asyncio.TimeoutError: pass
+        try:
+            await asyncio.wait_for(stop.wait(), every)
+        except asyncio.TimeoutError:
+            pass
         batch, run.pending = run.pending, []
         try:
-            if batch: await asyncio.to_thread(sync_catalog, catalog, batch)
-        except Exception as e:  # e.g. CatalogLocked: the shards hold the records; the next flush (or the next run) catches up
-            run.pending = batch + run.pending; run.stats['catalog_sync_errors'] += 1
-            print(f'warning: catalog state update failed ({type(e).__name__}: {str(e)[:200]}); will retry', file=sys.stderr)
-            if stop.is_set(): return
-        if stop.is_set() and not run.pending: return
+            if batch:
+                await asyncio.to_thread(sync_catalog, catalog, batch)
+        except (
+            Exception
+        ) as e:  # e.g. CatalogLocked: the shards hold the records; the next flush (or the next run) catches up
+            run.pending = batch + run.pending
+            run.stats['catalog_sync_errors'] += 1
+            print(
+                f'warning: catalog state update failed ({type(e).__name__}: {str(e)[:200]}); will retry',
+                file=sys.stderr,
+            )
+            if stop.is_set():
+                return
+        if stop.is_set() and not run.pending:
+            return
 
 # %% ../nbs/30_generate.ipynb #6cc61681
-def _bars(parts:dict, progress:bool)->dict:
+def _bars(parts: dict, progress: bool) -> dict:
     from tqdm.auto import tqdm
-    return {k: tqdm(total=len(js), desc=f'generate {k}', unit='req', position=i, disable=not progress, mininterval=0.5)
-            for i, (k, js) in enumerate(parts.items())}
 
-async def run_jobs(jobs:list, urls:list, model:str, p:dict, writer:ShardWriter,
-                   concurrency:dict,         # {partition: max requests in flight}
-                   catalog=None,             # catalog file to keep states in; None: records only
-                   thinking:bool=True, tok=None, api_key:str='EMPTY', progress:bool=True)->Run:
+    return {
+        k: tqdm(total=len(js), desc=f'generate {k}', unit='req', position=i, disable=not progress, mininterval=0.5)
+        for i, (k, js) in enumerate(parts.items())
+    }
+
+
+async def run_jobs(
+    jobs: list,
+    urls: list,
+    model: str,
+    p: dict,
+    writer: ShardWriter,
+    concurrency: dict,  # {partition: max requests in flight}
+    catalog=None,  # catalog file to keep states in; None: records only
+    thinking: bool = True,
+    tok=None,
+    api_key: str = 'EMPTY',
+    progress: bool = True,
+) -> Run:
     "Run `jobs` against `urls`: every job ends as one record in the shards"
     auth = dict(Authorization=f'Bearer {api_key}')
     clients = ClientPool(p['timeout'], auth, len(urls))
     try:
-        run = Run(clients, EndpointPool(urls), model, p, writer, thinking, tok); run.stats['_t0'] = time.time()
+        run = Run(clients, EndpointPool(urls), model, p, writer, thinking, tok)
+        run.stats['_t0'] = time.time()
         if jobs and p['mode'] == 'raw':
-            for u in run.pool.out: run.pool.caps[u] = await probe_caps(run, u, jobs[0])
+            for u in run.pool.out:
+                run.pool.caps[u] = await probe_caps(run, u, jobs[0])
         parts = defaultdict(list)
-        for j in jobs: parts[j.partition].append(j)
+        for j in jobs:
+            parts[j.partition].append(j)
         bars, stop = _bars(parts, progress), asyncio.Event()
         sync = asyncio.create_task(_syncer(run, catalog, p['sync_every'], stop)) if catalog else None
-        try: await asyncio.gather(*(run_partition(run, js, concurrency[k], bars[k]) for k, js in parts.items()))
+        try:
+            await asyncio.gather(*(run_partition(run, js, concurrency[k], bars[k]) for k, js in parts.items()))
         finally:
-            stop.set(); writer.sync()
-            if sync: await sync
-            for b in bars.values(): b.close()
-    finally: await clients.aclose()
+            stop.set()
+            writer.sync()
+            if sync:
+                await sync
+            for b in bars.values():
+                b.close()
+    finally:
+        await clients.aclose()
     return run
 
 # %% ../nbs/30_generate.ipynb #98d84662
 def run_sync(coro):
     "Run `coro` to completion, also from inside a running event loop (a Jupyter kernel)"
-    try: asyncio.get_running_loop()
-    except RuntimeError: return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1) as ex: return ex.submit(asyncio.run, coro).result()
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        return ex.submit(asyncio.run, coro).result()
 
 # %% ../nbs/30_generate.ipynb #0e3336d3
-def summary(run:Run, n_jobs:int, seconds:float)->dict:
+def summary(run: Run, n_jobs: int, seconds: float) -> dict:
     "Counts, retries by kind and throughput of a run"
     toks = sum(x[3] for x in run.log)
-    return dict(jobs=n_jobs, ok=run.stats['ok'], dropped=run.stats['dropped'], failed=run.stats['failed'],
-                truncated=run.stats['truncated'], retries={k[6:]: v for k, v in run.stats.items() if k.startswith('retry_')},
-                seconds=round(seconds, 3), req_per_s=round(n_jobs / seconds, 1) if seconds else None,
-                out_tok_per_s=round(toks / seconds, 1) if seconds else None, completion_tokens=toks,
-                caps=run.pool.caps, shards=[str(p) for p in run.writer.paths])
+    return dict(
+        jobs=n_jobs,
+        ok=run.stats['ok'],
+        dropped=run.stats['dropped'],
+        failed=run.stats['failed'],
+        truncated=run.stats['truncated'],
+        retries={k[6:]: v for k, v in run.stats.items() if k.startswith('retry_')},
+        seconds=round(seconds, 3),
+        req_per_s=round(n_jobs / seconds, 1) if seconds else None,
+        out_tok_per_s=round(toks / seconds, 1) if seconds else None,
+        completion_tokens=toks,
+        caps=run.pool.caps,
+        shards=[str(p) for p in run.writer.paths],
+    )
 
-def generate(r,                    # resolved recipe with live endpoints (see `target.target_session`)
-             progress:bool=True,   # tqdm bars per partition
-             out=None,             # folder for the shard files; default `<data_root>/generated`
-             **kw,                 # overrides of `GEN_DEFAULTS` (else the recipe's `phases.generate`)
-            )->dict:               # summary: counts, retries, throughput, capabilities, new shard files
+
+def generate(
+    r,  # resolved recipe with live endpoints (see `target.target_session`)
+    progress: bool = True,  # tqdm bars per partition
+    out=None,  # folder for the shard files; default `<data_root>/generated`
+    **kw,  # overrides of `GEN_DEFAULTS` (else the recipe's `phases.generate`)
+) -> dict:  # summary: counts, retries, throughput, capabilities, new shard files
     "Generate the target's responses for every sample of the recipe that lacks a finished record"
     from eagle3nb.recipe import api_key
     from eagle3nb.render import load_tokenizer
+
     p, t0, out = gen_params(r, **kw), time.time(), Path(out or gen_dir(r.data_root))
     shards = read_shards(out)
-    if shards: sync_catalog(r.catalog, shards)  # the shards are the truth; the catalog may lag after a kill
+    if shards:
+        sync_catalog(r.catalog, shards)  # the shards are the truth; the catalog may lag after a kill
     jobs, bad = load_jobs(r, p, {s for s, x in latest(shards).items() if x['status'] in FINISHED})
     parts = partitions_of(r.catalog)
     conc = {k: p[f'c_{k}'] or v['concurrency'] or 1 for k, v in parts.items()}
     model = r.target.served_name or _served(r.target.endpoints[0], api_key(r))
     w = ShardWriter(out)
     try:
-        for rec in bad: w.write(rec)
-        if bad: sync_catalog(r.catalog, bad)
-        run = run_sync(run_jobs(jobs, r.target.endpoints, model, p, w, conc, r.catalog, r.target.thinking,
-                                   lambda: load_tokenizer(r.target.model), api_key(r), progress))
-    finally: w.close()
+        for rec in bad:
+            w.write(rec)
+        if bad:
+            sync_catalog(r.catalog, bad)
+        run = run_sync(
+            run_jobs(
+                jobs,
+                r.target.endpoints,
+                model,
+                p,
+                w,
+                conc,
+                r.catalog,
+                r.target.thinking,
+                lambda: load_tokenizer(r.target.model),
+                api_key(r),
+                progress,
+            )
+        )
+    finally:
+        w.close()
     run.stats['failed'] += len(bad)
     return summary(run, len(jobs) + len(bad), time.time() - t0)
 
-def _served(url:str, key:str)->str:
+
+def _served(url: str, key: str) -> str:
     from eagle3nb.server import list_models
+
     return list_models(url, key)[0]
 
 # %% ../nbs/30_generate.ipynb #2bc9af14
 import zlib
 
-def _key(body:dict):
+
+def _key(body: dict):
     "What a request asks for: the prompt (text or ids) or the last message's content"
-    if 'messages' in body: return body['messages'][-1].get('content')
+    if 'messages' in body:
+        return body['messages'][-1].get('content')
     return tuple(body['prompt']) if isinstance(body['prompt'], list) else body['prompt']
 
-def default_length(key)->int:
+
+def default_length(key) -> int:
     "4..31 tokens, fixed by the prompt"
     return 4 + zlib.crc32(repr(key).encode()) % 28
 
 # %% ../nbs/30_generate.ipynb #edf7db1f
 class FakeTarget:
     "An OpenAI-compatible loopback server with deterministic answers; a context manager (thread) or `start(process=True)`"
-    def __init__(self, model='fake', flavor='vllm', latency:float=0.0, per_token:float=0.0, length=default_length, port:int=None):
+
+    def __init__(
+        self,
+        model='fake',
+        flavor='vllm',
+        latency: float = 0.0,
+        per_token: float = 0.0,
+        length=default_length,
+        port: int = None,
+    ):
         self.model, self.flavor, self.latency, self.per_token, self.length = model, flavor, latency, per_token, length
         from eagle3nb.server import free_port
-        self.port, self.requests, self.proc, self.thread = port or free_port(), [], None, None
-    @property
-    def base_url(self)->str: return f'http://127.0.0.1:{self.port}/v1'
 
-    def answer(self, path:str, body:dict)->tuple:
+        self.port, self.requests, self.proc, self.thread = port or free_port(), [], None, None
+
+    @property
+    def base_url(self) -> str:
+        return f'http://127.0.0.1:{self.port}/v1'
+
+    def answer(self, path: str, body: dict) -> tuple:
         "(status, json) for one request"
-        if path.endswith('/models'): return 200, dict(data=[dict(id=self.model)])
-        if body.get('model') != self.model: return 400, dict(detail=f"model {body.get('model')!r} is not served")
-        extra = set(body) - {'model', 'prompt', 'messages', 'tools', 'max_tokens', 'temperature', 'top_p', 'seed', 'chat_template_kwargs'}
-        if self.flavor == 'hf' and extra: return 422, dict(detail=f'unknown fields {sorted(extra)}')
-        if self.flavor == 'hf' and not isinstance(body.get('prompt', ''), str): return 400, dict(detail='prompt must be a string.')
-        k = _key(body); self.requests.append(k)
+        if path.endswith('/models'):
+            return 200, dict(data=[dict(id=self.model)])
+        if body.get('model') != self.model:
+            return 400, dict(detail=f"model {body.get('model')!r} is not served")
+        extra = set(body) - {
+            'model',
+            'prompt',
+            'messages',
+            'tools',
+            'max_tokens',
+            'temperature',
+            'top_p',
+            'seed',
+            'chat_template_kwargs',
+        }
+        if self.flavor == 'hf' and extra:
+            return 422, dict(detail=f'unknown fields {sorted(extra)}')
+        if self.flavor == 'hf' and not isinstance(body.get('prompt', ''), str):
+            return 400, dict(detail='prompt must be a string.')
+        k = _key(body)
+        self.requests.append(k)
         n = min(self.length(k), body.get('max_tokens') or 1024)
         fin = 'length' if n < self.length(k) else 'stop'
         ids, text = list(range(100, 100 + n)), ' '.join(f'w{i}' for i in range(n))
-        ch = (dict(index=0, message=self.chat_message(body, text), finish_reason=fin) if 'messages' in body else
-              dict(index=0, text=text, finish_reason=fin, **(dict(token_ids=ids) if body.get('return_token_ids') else {})))
+        ch = (
+            dict(index=0, message=self.chat_message(body, text), finish_reason=fin)
+            if 'messages' in body
+            else dict(
+                index=0, text=text, finish_reason=fin, **(dict(token_ids=ids) if body.get('return_token_ids') else {})
+            )
+        )
         plen = len(k) if isinstance(k, tuple) else len(str(k).split())
-        return 200, dict(id='x', object='completion', choices=[ch], usage=dict(prompt_tokens=plen, completion_tokens=n), _n=n)
+        return 200, dict(
+            id='x', object='completion', choices=[ch], usage=dict(prompt_tokens=plen, completion_tokens=n), _n=n
+        )
 
 # %% ../nbs/30_generate.ipynb #9c416fd2
 @patch_to(FakeTarget)
-def chat_message(self, body:dict, text:str)->dict:
+def chat_message(self, body: dict, text: str) -> dict:
     "The assistant message for a chat request"
     ms, tools = body['messages'], body.get('tools')
     if tools and ms[-1]['role'] == 'user' and any(m['role'] == 'assistant' for m in ms):
         f = tools[0]['function']['name']
-        return dict(role='assistant', content='', tool_calls=[dict(id=f'call_{len(self.requests)}', type='function', function=dict(name=f, arguments='{}'))])
+        return dict(
+            role='assistant',
+            content='',
+            tool_calls=[dict(id=f'call_{len(self.requests)}', type='function', function=dict(name=f, arguments='{}'))],
+        )
     return dict(role='assistant', content=text)
 
 # %% ../nbs/30_generate.ipynb #0cba7b44
 async def _read_request(reader):
     "(method, path, headers, body) of one HTTP/1.1 request, or None at EOF"
     line = await reader.readline()
-    if not line: return None
+    if not line:
+        return None
     method, path, _ = line.decode().split(' ', 2)
     headers = {}
     while (h := await reader.readline()) not in (b'\r\n', b'\n', b''):
-        k, v = h.decode().split(':', 1); headers[k.strip().lower()] = v.strip()
+        k, v = h.decode().split(':', 1)
+        headers[k.strip().lower()] = v.strip()
     return method, path, headers, await reader.readexactly(int(headers.get('content-length', 0)))
 
-def http_response(status:int, body:bytes, headers:dict=None)->bytes:
+
+def http_response(status: int, body: bytes, headers: dict = None) -> bytes:
     "The bytes of an HTTP/1.1 response with a JSON body"
-    h = ''.join(f'{k}: {v}\r\n' for k, v in {'Content-Type': 'application/json', 'Content-Length': len(body), **(headers or {})}.items())
+    h = ''.join(
+        f'{k}: {v}\r\n'
+        for k, v in {'Content-Type': 'application/json', 'Content-Length': len(body), **(headers or {})}.items()
+    )
     return f'HTTP/1.1 {status} X\r\n{h}\r\n'.encode() + body
+
 
 @patch_to(FakeTarget)
 async def _handle(self, reader, writer):
@@ -615,148 +969,264 @@ async def _handle(self, reader, writer):
         while (req := await _read_request(reader)) is not None:
             status, js = self.answer(req[1], json.loads(req[3]) if req[3] else {})
             n = js.pop('_n', 0)
-            if self.latency or self.per_token: await asyncio.sleep(self.latency + self.per_token * n)
-            writer.write(http_response(status, json.dumps(js).encode())); await writer.drain()
-    except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError): pass  # client gone, or server stopping
-    finally: writer.close()
+            if self.latency or self.per_token:
+                await asyncio.sleep(self.latency + self.per_token * n)
+            writer.write(http_response(status, json.dumps(js).encode()))
+            await writer.drain()
+    except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+        pass  # client gone, or server stopping
+    finally:
+        writer.close()
 
 # %% ../nbs/30_generate.ipynb #389615f3
 @patch_to(FakeTarget)
 def _serve(self, ready=None):
     "Run the server loop in this thread until `self._stop` is set"
+
     async def main():
         srv = await asyncio.start_server(self._handle, '127.0.0.1', self.port, backlog=1024)
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        if ready: ready.set()
-        async with srv: await self._stop.wait()
+        if ready:
+            ready.set()
+        async with srv:
+            await self._stop.wait()
+
     asyncio.run(main())
 
+
 @patch_to(FakeTarget)
-def start(self, process:bool=False):
+def start(self, process: bool = False):
     "Serve from a thread of this process (requests logged), or from a forked process (`process=True`)"
     import multiprocessing as mp
-    if process: self.proc = mp.get_context('fork').Process(target=self._serve, daemon=True); self.proc.start()
+
+    if process:
+        self.proc = mp.get_context('fork').Process(target=self._serve, daemon=True)
+        self.proc.start()
     else:
-        ev = threading.Event(); self.thread = threading.Thread(target=self._serve, args=(ev,), daemon=True); self.thread.start(); ev.wait(10)
+        ev = threading.Event()
+        self.thread = threading.Thread(target=self._serve, args=(ev,), daemon=True)
+        self.thread.start()
+        ev.wait(10)
     from eagle3nb.server import wait_for_server
+
     wait_for_server(self.base_url, self.model, timeout=20, poll=0.05)
     return self
 
+
 @patch_to(FakeTarget)
 def stop(self):
-    if self.thread: self._loop.call_soon_threadsafe(self._stop.set); self.thread.join(5); self.thread = None
-    if self.proc: self.proc.kill(); self.proc.join(5); self.proc = None
+    if self.thread:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self.thread.join(5)
+        self.thread = None
+    if self.proc:
+        self.proc.kill()
+        self.proc.join(5)
+        self.proc = None
+
 
 @patch_to(FakeTarget)
-def __enter__(self): return self if (self.thread or self.proc) else self.start()  # `with FakeTarget().start(process=True)` too
+def __enter__(self):
+    return self if (self.thread or self.proc) else self.start()  # `with FakeTarget().start(process=True)` too
+
+
 @patch_to(FakeTarget)
-def __exit__(self, *a): self.stop()
+def __exit__(self, *a):
+    self.stop()
 
 # %% ../nbs/30_generate.ipynb #bbfef221
-def write_prompts(path, n:int, long_every:int=0, long_words:int=300, seed:int=0)->Path:
+def write_prompts(path, n: int, long_every: int = 0, long_words: int = 300, seed: int = 0) -> Path:
     "`n` single-turn prompts in OpenAI format (JSON lines); every `long_every`-th one is ~`long_words` words"
-    rng, path = random.Random(seed), Path(path); path.parent.mkdir(parents=True, exist_ok=True)
+    rng, path = random.Random(seed), Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     words = 'the sea river cloud stone light wind tree bird city road night'.split()
     with open(path, 'w') as f:
         for i in range(n):
             k = long_words if long_every and i % long_every == long_every - 1 else rng.randint(3, 12)
-            f.write(json.dumps(dict(messages=[dict(role='user', content=f'{i}: ' + ' '.join(rng.choices(words, k=k)))])) + '\n')
+            f.write(
+                json.dumps(dict(messages=[dict(role='user', content=f'{i}: ' + ' '.join(rng.choices(words, k=k)))]))
+                + '\n'
+            )
     return path
 
 # %% ../nbs/30_generate.ipynb #a8a2df9c
-def demo_recipe(run_dir, model, # folder for data and catalog; target model directory (e.g. a toy)
-                sources:list,   # (name, format, path[, kind]) of each dataset; kind defaults to prompt_only
-                endpoints:list=(), served_name:str=None, max_ctx:int=256, long_ctx:int=2048, max_new_tokens:int=16,
-                c_main:int=4, c_long:int=1, generate:dict=None):
+def demo_recipe(
+    run_dir,
+    model,  # folder for data and catalog; target model directory (e.g. a toy)
+    sources: list,  # (name, format, path[, kind]) of each dataset; kind defaults to prompt_only
+    endpoints: list = (),
+    served_name: str = None,
+    max_ctx: int = 256,
+    long_ctx: int = 2048,
+    max_new_tokens: int = 16,
+    c_main: int = 4,
+    c_long: int = 1,
+    generate: dict = None,
+):
     "A resolved recipe over `sources`, prepared, rendered and partitioned in its own catalog"
     from eagle3nb.recipe import parse_recipe, resolve
     from eagle3nb.prepare import prepare
     from eagle3nb.render import render_dataset, catalog_rows
     from eagle3nb.catalog import upsert_samples, partition
+
     run_dir = Path(run_dir)
-    r = resolve(parse_recipe(dict(name='demo', target=dict(model=str(model), endpoints=list(endpoints), served_name=served_name),
-                                  data_root=str(run_dir/'data'), catalog=str(run_dir/'catalog.duckdb'),
-                                  datasets=[dict(name=s[0], format=s[1], path=str(s[2]), kind=(s[3:] or ['prompt_only'])[0]) for s in sources],
-                                  phases=dict(generate={'max_new_tokens': max_new_tokens, **(generate or {})}))))
+    r = resolve(
+        parse_recipe(
+            dict(
+                name='demo',
+                target=dict(model=str(model), endpoints=list(endpoints), served_name=served_name),
+                data_root=str(run_dir / 'data'),
+                catalog=str(run_dir / 'catalog.duckdb'),
+                datasets=[
+                    dict(name=s[0], format=s[1], path=str(s[2]), kind=(s[3:] or ['prompt_only'])[0]) for s in sources
+                ],
+                phases=dict(generate={'max_new_tokens': max_new_tokens, **(generate or {})}),
+            )
+        )
+    )
     for ds in r.datasets:
-        prepare(ds.path, ds.format, ds.name, Path(r.data_root)/'prepared', kind=ds.kind, progress=False)
-        render_dataset(Path(r.data_root)/'prepared'/ds.name, model, Path(r.data_root)/'rendered'/ds.name, num_proc=1)
-        upsert_samples(r.catalog, catalog_rows(Path(r.data_root)/'rendered'/ds.name))
-    partition(r.catalog, max_ctx=max_ctx, max_new_tokens=max_new_tokens, long_ctx=long_ctx, c_main=c_main, c_long=c_long)
+        prepare(ds.path, ds.format, ds.name, Path(r.data_root) / 'prepared', kind=ds.kind, progress=False)
+        render_dataset(
+            Path(r.data_root) / 'prepared' / ds.name, model, Path(r.data_root) / 'rendered' / ds.name, num_proc=1
+        )
+        upsert_samples(r.catalog, catalog_rows(Path(r.data_root) / 'rendered' / ds.name))
+    partition(
+        r.catalog, max_ctx=max_ctx, max_new_tokens=max_new_tokens, long_ctx=long_ctx, c_main=c_main, c_long=c_long
+    )
     return r
 
 # %% ../nbs/30_generate.ipynb #efd824d8
-def generate_recipe(recipe,             # recipe YAML file
-                    progress:bool=True, # tqdm bars
-                    **kw,               # overrides of the recipe's `phases.generate`
-                   )->dict:             # `generate`'s summary
+def generate_recipe(
+    recipe,  # recipe YAML file
+    progress: bool = True,  # tqdm bars
+    **kw,  # overrides of the recipe's `phases.generate`
+) -> dict:  # `generate`'s summary
     "Load `recipe`, serve its target if it lists no endpoints, and generate"
     from eagle3nb.recipe import load_recipe
     from eagle3nb.target import target_session
-    with target_session(load_recipe(recipe)) as r: return generate(r, progress=progress, **kw)
+
+    with target_session(load_recipe(recipe)) as r:
+        return generate(r, progress=progress, **kw)
+
 
 def main(argv=None):
     "`python -m eagle3nb.generate RECIPE [--mode chat] [--c_main 8] ...`: print the summary as JSON"
     import argparse
+
     ap = argparse.ArgumentParser(prog='python -m eagle3nb.generate', description=generate.__doc__)
-    ap.add_argument('recipe'); ap.add_argument('--no-progress', action='store_true')
+    ap.add_argument('recipe')
+    ap.add_argument('--no-progress', action='store_true')
     for k, v in GEN_DEFAULTS.items():
-        ap.add_argument(f'--{k}', default=None, type=(lambda x: x.split(',')) if isinstance(v, list) else type(v) if v is not None else int)
+        ap.add_argument(
+            f'--{k}',
+            default=None,
+            type=(lambda x: x.split(',')) if isinstance(v, list) else type(v) if v is not None else int,
+        )
     a = vars(ap.parse_args(argv))
     s = generate_recipe(a.pop('recipe'), progress=not a.pop('no_progress'), **a)
-    print(json.dumps(s, indent=1)); return s
+    print(json.dumps(s, indent=1))
+    return s
 
 # %% ../nbs/30_generate.ipynb #bdfa3e77
-if __name__ == '__main__' and Path(sys.argv[0]).stem == 'generate': main()  # python -m eagle3nb.generate; not in a notebook
+if __name__ == '__main__' and Path(sys.argv[0]).stem == 'generate':
+    main()  # python -m eagle3nb.generate; not in a notebook
 
 # %% ../nbs/30_generate.ipynb #11a43211
-def records_df(out)->pd.DataFrame:
+def records_df(out) -> pd.DataFrame:
     "One row per sample (its finished record where there is one), from the shards under `out`"
-    cols = ['sample_id', 'dataset', 'partition', 'status', 'finish_reason', 'truncated', 'completion_tokens', 'attempts', 'error', 'finished']
+    cols = [
+        'sample_id',
+        'dataset',
+        'partition',
+        'status',
+        'finish_reason',
+        'truncated',
+        'completion_tokens',
+        'attempts',
+        'error',
+        'finished',
+    ]
     return pd.DataFrame(list(latest(read_shards(out)).values()), columns=cols)
 
-def plot_run(df, bin_s:float=None): # matplotlib axes: throughput, lengths, outcomes
+
+def plot_run(df, bin_s: float = None):  # matplotlib axes: throughput, lengths, outcomes
     "Throughput over time, completion-length distribution per partition, and outcome counts"
     import matplotlib.pyplot as plt, numpy as np
+
     fig, ax = plt.subplots(1, 3, figsize=(13, 3))
     t = df.finished - df.finished.min()
     bin_s = bin_s or max(0.1, float(t.max() or 1) / 30)
     for p, g in df.assign(t=t).groupby('partition'):
-        b = (g.t // bin_s).astype(int); n = b.value_counts().sort_index()
+        b = (g.t // bin_s).astype(int)
+        n = b.value_counts().sort_index()
         ax[0].plot(n.index * bin_s, n.values / bin_s, label=p)
         ax[1].hist(g.completion_tokens.dropna(), bins=20, alpha=0.6, label=p)
-    ax[0].set(xlabel='seconds', ylabel='requests / s', title='throughput'); ax[0].legend()
-    ax[1].set(xlabel='completion tokens', ylabel='samples', title='response lengths'); ax[1].legend()
-    out = df.assign(outcome=np.where(df.truncated == True, 'truncated ' + df.status, df.status)).groupby(['partition', 'outcome']).size().unstack(fill_value=0)
-    out.plot.bar(ax=ax[2], stacked=True, title='outcomes'); fig.tight_layout()
+    ax[0].set(xlabel='seconds', ylabel='requests / s', title='throughput')
+    ax[0].legend()
+    ax[1].set(xlabel='completion tokens', ylabel='samples', title='response lengths')
+    ax[1].legend()
+    out = (
+        df.assign(outcome=np.where(df.truncated == True, 'truncated ' + df.status, df.status))
+        .groupby(['partition', 'outcome'])
+        .size()
+        .unstack(fill_value=0)
+    )
+    out.plot.bar(ax=ax[2], stacked=True, title='outcomes')
+    fig.tight_layout()
     return ax
 
 # %% ../nbs/30_generate.ipynb #d5e6efdd
-def completion_ids(rec:dict, # a finished raw-mode record
-                   tok,      # the target's tokenizer
-                  )->list:   # the token ids the target emitted
+def completion_ids(
+    rec: dict,  # a finished raw-mode record
+    tok,  # the target's tokenizer
+) -> list:  # the token ids the target emitted
     "The completion of `rec` as token ids, end-of-turn token included"
-    if rec.get('token_ids'): return [int(t) for t in rec['token_ids']]
-    if rec.get('text') is None: raise ValueError(f"record {rec.get('sample_id')} has no text: chat-mode records are not converted yet; use mode raw")
+    if rec.get('token_ids'):
+        return [int(t) for t in rec['token_ids']]
+    if rec.get('text') is None:
+        raise ValueError(
+            f"record {rec.get('sample_id')} has no text: chat-mode records are not converted yet; use mode raw"
+        )
     ids = tok.encode(rec['text'], add_special_tokens=False)
-    if not rec.get('special_tokens_kept') and rec.get('finish_reason') == 'stop' and tok.eos_token_id is not None: ids.append(tok.eos_token_id)
+    if not rec.get('special_tokens_kept') and rec.get('finish_reason') == 'stop' and tok.eos_token_id is not None:
+        ids.append(tok.eos_token_id)
     return ids
 
 # %% ../nbs/30_generate.ipynb #90b62ba4
-def completed_samples(rendered_dir, # the dataset's rendered samples (prompt-only ones have `prompt_only=True`)
-                      shards_dir,   # its shard folder, `generated/<dataset>`
-                      tok,          # the target's tokenizer
-                     )->dict:       # counts
+def completed_samples(
+    rendered_dir,  # the dataset's rendered samples (prompt-only ones have `prompt_only=True`)
+    shards_dir,  # its shard folder, `generated/<dataset>`
+    tok,  # the target's tokenizer
+) -> dict:  # counts
     "Write `shards_dir/samples`: prompt-only samples completed with the target's finished `ok` responses"
     from datasets import Dataset, load_from_disk
     from eagle3nb.recipe import publishing  # a fresh temp name; only generate's own samples are replaced
-    ds, ok = load_from_disk(str(rendered_dir)), {k: v for k, v in latest(read_shards(Path(shards_dir).parent, Path(shards_dir).name)).items() if v['status'] == 'ok'}
+
+    ds, ok = (
+        load_from_disk(str(rendered_dir)),
+        {
+            k: v
+            for k, v in latest(read_shards(Path(shards_dir).parent, Path(shards_dir).name)).items()
+            if v['status'] == 'ok'
+        },
+    )
     rows = []
     for s in ds.filter(lambda x: x['prompt_only'] and x['sample_id'] in ok):
         ids, n = completion_ids(ok[s['sample_id']], tok), len(s['input_ids'])
-        rows.append({**s, 'input_ids': s['input_ids'] + ids, 'loss_mask': [0]*n + [1]*len(ids), 'spans': [[n, n + len(ids)]],
-                     'prompt_tokens': n, 'completion_tokens': len(ids), 'n_events': 1, 'prompt_only': False})
-    out = Path(shards_dir)/'samples'
+        rows.append(
+            {
+                **s,
+                'input_ids': s['input_ids'] + ids,
+                'loss_mask': [0] * n + [1] * len(ids),
+                'spans': [[n, n + len(ids)]],
+                'prompt_tokens': n,
+                'completion_tokens': len(ids),
+                'n_events': 1,
+                'prompt_only': False,
+            }
+        )
+    out = Path(shards_dir) / 'samples'
     if rows:
-        with publishing(out, 'generate') as tmp: Dataset.from_list(rows, features=ds.features).save_to_disk(str(tmp))
+        with publishing(out, 'generate') as tmp:
+            Dataset.from_list(rows, features=ds.features).save_to_disk(str(tmp))
     return dict(responses=len(ok), samples=len(rows), tokens=sum(r['completion_tokens'] for r in rows))

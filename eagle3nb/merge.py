@@ -17,25 +17,38 @@ import pandas as pd
 # %% ../nbs/40_merge.ipynb #49cccd06
 CORPUS_COLUMNS = ('sample_id', 'conversation_id', 'dataset', 'input_ids', 'loss_mask', 'spans')
 
-def corpus_features(prompt_only:bool=False):
+
+def corpus_features(prompt_only: bool = False):
     "Features of the corpus (with `prompt_only`: of a merge input)"
     from datasets import Features, Sequence, Value
-    f = dict(sample_id=Value('string'), conversation_id=Value('string'), dataset=Value('string'), input_ids=Sequence(Value('int32')),
-             loss_mask=Sequence(Value('int8')), spans=Sequence(Sequence(Value('int32'))))
+
+    f = dict(
+        sample_id=Value('string'),
+        conversation_id=Value('string'),
+        dataset=Value('string'),
+        input_ids=Sequence(Value('int32')),
+        loss_mask=Sequence(Value('int8')),
+        spans=Sequence(Sequence(Value('int32'))),
+    )
     return Features(**f, **(dict(prompt_only=Value('bool')) if prompt_only else {}))
+
 
 def as_input(ds):
     "`ds` with exactly the merge-input columns and features (a missing `prompt_only` is False)"
-    if 'prompt_only' not in ds.column_names: ds = ds.add_column('prompt_only', [False]*len(ds))
+    if 'prompt_only' not in ds.column_names:
+        ds = ds.add_column('prompt_only', [False] * len(ds))
     ds = ds.select_columns(list(CORPUS_COLUMNS) + ['prompt_only'])
     f = corpus_features(True)
     return ds if ds.features == f else ds.cast(f)
 
 # %% ../nbs/40_merge.ipynb #d0121941
-DEDUP_RULE = ('exact: blake2b-128 of input_ids (int32 bytes) + loss_mask (int8 bytes), i.e. the rendered token stream and '
-              'its supervised positions; first occurrence wins (sources in order, then rows)')
+DEDUP_RULE = (
+    'exact: blake2b-128 of input_ids (int32 bytes) + loss_mask (int8 bytes), i.e. the rendered token stream and '
+    'its supervised positions; first occurrence wins (sources in order, then rows)'
+)
 
-def sample_hash(input_ids, loss_mask)->str:
+
+def sample_hash(input_ids, loss_mask) -> str:
     "The dedup key of one sample (see `DEDUP_RULE`)"
     h = hashlib.blake2b(np.asarray(input_ids, '<i4').tobytes(), digest_size=16)
     h.update(np.asarray(loss_mask, 'i1').tobytes())  # both have one entry per token: no separator needed
@@ -46,44 +59,65 @@ def _rows_of(col):
     "Per-row (values, mask of the same layout) slices of an Arrow list column: yields NumPy arrays"
     for c in getattr(col, 'chunks', [col]):
         o, v = c.offsets.to_numpy(), c.values.to_numpy(zero_copy_only=False)
-        for i in range(len(c)): yield v[o[i]:o[i+1]]
+        for i in range(len(c)):
+            yield v[o[i] : o[i + 1]]
 
-def scan(ds, batch_size:int=1024)->pd.DataFrame: # one row per input row
+
+def scan(ds, batch_size: int = 1024) -> pd.DataFrame:  # one row per input row
     "sample_id, conversation_id, dataset, prompt_only, hash, tokens, supervised of every row of merge input `ds`"
     out = []
     for b in ds.with_format('arrow').iter(batch_size=batch_size):
         ids, mask = list(_rows_of(b['input_ids'])), list(_rows_of(b['loss_mask']))
-        out.append(pd.DataFrame(dict(sample_id=b['sample_id'].to_pylist(), conversation_id=b['conversation_id'].to_pylist(),
-            dataset=b['dataset'].to_pylist(), prompt_only=b['prompt_only'].to_pylist(),
-            hash=[sample_hash(i, m) for i, m in zip(ids, mask)], tokens=[len(i) for i in ids], supervised=[int(m.sum()) for m in mask])))
+        out.append(
+            pd.DataFrame(
+                dict(
+                    sample_id=b['sample_id'].to_pylist(),
+                    conversation_id=b['conversation_id'].to_pylist(),
+                    dataset=b['dataset'].to_pylist(),
+                    prompt_only=b['prompt_only'].to_pylist(),
+                    hash=[sample_hash(i, m) for i, m in zip(ids, mask)],
+                    tokens=[len(i) for i in ids],
+                    supervised=[int(m.sum()) for m in mask],
+                )
+            )
+        )
     cols = ['sample_id', 'conversation_id', 'dataset', 'prompt_only', 'hash', 'tokens', 'supervised']
     return pd.concat(out, ignore_index=True) if out else pd.DataFrame(columns=cols)
 
 # %% ../nbs/40_merge.ipynb #f53cd165
-def eligibility(m:pd.DataFrame,     # from `scan`
-                excluded:dict=None, # sample_id -> exclusion reason (the catalog's excluded partition)
-               )->pd.Series:        # None for eligible rows, else the reason
+def eligibility(
+    m: pd.DataFrame,  # from `scan`
+    excluded: dict = None,  # sample_id -> exclusion reason (the catalog's excluded partition)
+) -> pd.Series:  # None for eligible rows, else the reason
     "Why each row is left out of the corpus before the mix, None where it is not"
     ex = excluded or {}
-    why = pd.Series([None]*len(m), index=m.index, dtype=object)
-    def mark(cond, reason): why[why.isna() & cond] = reason if isinstance(reason, str) else reason[why.isna() & cond]
+    why = pd.Series([None] * len(m), index=m.index, dtype=object)
+
+    def mark(cond, reason):
+        why[why.isna() & cond] = reason if isinstance(reason, str) else reason[why.isna() & cond]
+
     mark(m.prompt_only.astype(bool), 'prompt_only: not generated')
     mark(m.sample_id.isin(list(ex)), m.sample_id.map(lambda s: f'excluded partition: {ex.get(s)}'))
     mark(m.supervised == 0, 'no supervised tokens')
     ok = why.isna()
     mark(m.sample_id.where(ok).duplicated(keep='last') & ok, 'replaced by a later source')
-    ok = why.isna(); first = m[ok].drop_duplicates('hash').set_index('hash').sample_id
+    ok = why.isna()
+    first = m[ok].drop_duplicates('hash').set_index('hash').sample_id
     mark(m.hash.where(ok).duplicated(keep='first') & ok, m.hash.map(lambda h: f'duplicate of {first.get(h)}'))
     return why
 
 # %% ../nbs/40_merge.ipynb #1d5c2019
-def mix_counts(mix:dict,      # dataset -> count (int) or ratio (float in [0, 1])
-               available:dict, # dataset -> eligible rows
-              )->dict:        # dataset -> rows to draw
+def mix_counts(
+    mix: dict,  # dataset -> count (int) or ratio (float in [0, 1])
+    available: dict,  # dataset -> eligible rows
+) -> dict:  # dataset -> rows to draw
     "How many rows of each dataset the mix asks for"
     mix = mix or {}
     unknown = sorted(set(mix) - set(available))
-    if unknown: raise ValueError(f"merge mix names {unknown}, not among the datasets ({', '.join(sorted(available)) or 'none'})")
+    if unknown:
+        raise ValueError(
+            f"merge mix names {unknown}, not among the datasets ({', '.join(sorted(available)) or 'none'})"
+        )
     out = {}
     for n, have in available.items():
         v = mix.get(n, 1.0)
@@ -93,14 +127,17 @@ def mix_counts(mix:dict,      # dataset -> count (int) or ratio (float in [0, 1]
     return out
 
 # %% ../nbs/40_merge.ipynb #508eb345
-def _rng(seed:int, *names:str)->np.random.Generator:
+def _rng(seed: int, *names: str) -> np.random.Generator:
     "A generator seeded by `seed` and `names` (stable across runs and Python versions)"
     return np.random.default_rng([int(seed)] + [zlib.crc32(n.encode()) for n in names])
 
-def draw(m:pd.DataFrame, why:pd.Series, mix:dict, seed:int)->pd.Series: # bool: drawn by the mix
+
+def draw(m: pd.DataFrame, why: pd.Series, mix: dict, seed: int) -> pd.Series:  # bool: drawn by the mix
     "Rows drawn by the mix from the eligible ones (`why` is None), seeded per dataset"
     ok = why.isna()
-    want = mix_counts(mix, m[ok].groupby('dataset').size().reindex(m.dataset.unique(), fill_value=0).to_dict())  # every dataset seen
+    want = mix_counts(
+        mix, m[ok].groupby('dataset').size().reindex(m.dataset.unique(), fill_value=0).to_dict()
+    )  # every dataset seen
     drawn = pd.Series(False, index=m.index, dtype=bool)
     for n, k in want.items():
         idx = m.index[ok & (m.dataset == n)].to_numpy()
@@ -108,236 +145,367 @@ def draw(m:pd.DataFrame, why:pd.Series, mix:dict, seed:int)->pd.Series: # bool: 
     return drawn
 
 # %% ../nbs/40_merge.ipynb #aa2e490d
-def split(m:pd.DataFrame, drawn:pd.Series, eval_fraction:float, seed:int)->tuple: # train, eval: row positions in shuffled order
+def split(
+    m: pd.DataFrame, drawn: pd.Series, eval_fraction: float, seed: int
+) -> tuple:  # train, eval: row positions in shuffled order
     "Shuffle the drawn rows and cut an eval split of whole conversations"
-    if not 0 <= eval_fraction < 1: raise ValueError(f'eval_fraction must be in [0, 1), got {eval_fraction}')
+    if not 0 <= eval_fraction < 1:
+        raise ValueError(f'eval_fraction must be in [0, 1), got {eval_fraction}')
     idx = _rng(seed, 'shuffle').permutation(np.array(m.index[drawn.astype(bool)], dtype=np.int64))
-    n = len(idx); want = max(1, round(n * eval_fraction)) if eval_fraction > 0 and n > 1 else 0
-    conv = m.conversation_id.where(m.conversation_id.fillna('').astype(bool), m.sample_id)[idx].to_numpy()  # no conversation: its own
+    n = len(idx)
+    want = max(1, round(n * eval_fraction)) if eval_fraction > 0 and n > 1 else 0
+    conv = m.conversation_id.where(m.conversation_id.fillna('').astype(bool), m.sample_id)[
+        idx
+    ].to_numpy()  # no conversation: its own
     ev, size = set(), 0
-    for c, k in pd.Series(conv).value_counts(sort=False).reindex(pd.unique(conv)).items():  # conversations in shuffled order
-        if size >= want: break
-        ev.add(c); size += k
-    if size == n: ev = set()  # one conversation holds everything: keep it for training
+    for c, k in (
+        pd.Series(conv).value_counts(sort=False).reindex(pd.unique(conv)).items()
+    ):  # conversations in shuffled order
+        if size >= want:
+            break
+        ev.add(c)
+        size += k
+    if size == n:
+        ev = set()  # one conversation holds everything: keep it for training
     is_eval = np.isin(conv, list(ev))
     return idx[~is_eval], idx[is_eval]
 
 # %% ../nbs/40_merge.ipynb #bd780a12
-def _report(m:pd.DataFrame, why:pd.Series, drawn:pd.Series, split_of:pd.Series)->dict:
+def _report(m: pd.DataFrame, why: pd.Series, drawn: pd.Series, split_of: pd.Series) -> dict:
     "Per-dataset counts of the merge decisions"
-    r = pd.DataFrame(dict(dataset=m.dataset, why=why.fillna('').str.split(':| of ', regex=True).str[0], drawn=drawn, split=split_of,
-                          sup=m.supervised, tok=m.tokens))
+    r = pd.DataFrame(
+        dict(
+            dataset=m.dataset,
+            why=why.fillna('').str.split(':| of ', regex=True).str[0],
+            drawn=drawn,
+            split=split_of,
+            sup=m.supervised,
+            tok=m.tokens,
+        )
+    )
     cnt = lambda g, w: int((g.why == w).sum())
     out = {}
     for n, g in r.groupby('dataset', sort=True):
-        out[n] = dict(available=len(g), prompt_only=cnt(g, 'prompt_only'), excluded=cnt(g, 'excluded partition'),
-                      no_supervised=cnt(g, 'no supervised tokens'), replaced=cnt(g, 'replaced by a later source'),
-                      duplicates=cnt(g, 'duplicate'), not_sampled=cnt(g, 'not sampled by mix'), sampled=int(g.drawn.sum()),
-                      train=int((g.split == 'train').sum()), eval=int((g.split == 'eval').sum()),
-                      train_tokens=int(g.tok[g.split == 'train'].sum()), train_supervised=int(g.sup[g.split == 'train'].sum()))
+        out[n] = dict(
+            available=len(g),
+            prompt_only=cnt(g, 'prompt_only'),
+            excluded=cnt(g, 'excluded partition'),
+            no_supervised=cnt(g, 'no supervised tokens'),
+            replaced=cnt(g, 'replaced by a later source'),
+            duplicates=cnt(g, 'duplicate'),
+            not_sampled=cnt(g, 'not sampled by mix'),
+            sampled=int(g.drawn.sum()),
+            train=int((g.split == 'train').sum()),
+            eval=int((g.split == 'eval').sum()),
+            train_tokens=int(g.tok[g.split == 'train'].sum()),
+            train_supervised=int(g.sup[g.split == 'train'].sum()),
+        )
     return out
 
 # %% ../nbs/40_merge.ipynb #65a7b1be
-def _dup_pairs(m:pd.DataFrame, why:pd.Series)->dict: # 'dataset <- first dataset' -> count
+def _dup_pairs(m: pd.DataFrame, why: pd.Series) -> dict:  # 'dataset <- first dataset' -> count
     "Duplicates per (dataset, dataset of the kept copy): within and across datasets"
     d = why.fillna('').str.startswith('duplicate of ')
     first = m[why.isna()].set_index('sample_id').dataset  # eligible rows: their sample_ids are unique
     kept = why[d].str.removeprefix('duplicate of ').map(first)
-    return {f'{a} <- {b}': int(n) for (a, b), n in pd.DataFrame(dict(a=m.dataset[d], b=kept)).value_counts().sort_index().items()}
+    return {
+        f'{a} <- {b}': int(n)
+        for (a, b), n in pd.DataFrame(dict(a=m.dataset[d], b=kept)).value_counts().sort_index().items()
+    }
 
 # %% ../nbs/40_merge.ipynb #593a1ef8
-def merge_corpus(sources,              # merge inputs, oldest first: Datasets, or a dict label -> Dataset
-                 mix:dict=None,        # dataset -> count (int) or ratio (float in [0, 1]); unnamed datasets: all
-                 eval_fraction:float=0.02, # share of the drawn samples held out, whole conversations
-                 seed:int=0,           # mix draw and shuffle
-                 excluded:dict=None,   # sample_id -> reason: the catalog's excluded partition
-                 batch_size:int=1024,  # rows per Arrow batch while scanning
-                )->tuple:              # train, eval (Datasets with `CORPUS_COLUMNS`), report dict, fates DataFrame
+def merge_corpus(
+    sources,  # merge inputs, oldest first: Datasets, or a dict label -> Dataset
+    mix: dict = None,  # dataset -> count (int) or ratio (float in [0, 1]); unnamed datasets: all
+    eval_fraction: float = 0.02,  # share of the drawn samples held out, whole conversations
+    seed: int = 0,  # mix draw and shuffle
+    excluded: dict = None,  # sample_id -> reason: the catalog's excluded partition
+    batch_size: int = 1024,  # rows per Arrow batch while scanning
+) -> tuple:  # train, eval (Datasets with `CORPUS_COLUMNS`), report dict, fates DataFrame
     "Merge `sources` into a shuffled, deduplicated train / eval corpus per `mix`"
     from datasets import Dataset, concatenate_datasets
+
     srcs = list(sources.values() if isinstance(sources, dict) else sources)
-    ds = concatenate_datasets([as_input(s) for s in srcs]) if srcs else Dataset.from_dict({k: [] for k in corpus_features(True)}, features=corpus_features(True))
+    ds = (
+        concatenate_datasets([as_input(s) for s in srcs])
+        if srcs
+        else Dataset.from_dict({k: [] for k in corpus_features(True)}, features=corpus_features(True))
+    )
     m = scan(ds, batch_size)
-    why = eligibility(m, excluded); drawn = draw(m, why, mix, seed)
+    why = eligibility(m, excluded)
+    drawn = draw(m, why, mix, seed)
     tr, ev = split(m, drawn, eval_fraction, seed)
-    split_of = pd.Series('', index=m.index, dtype=object); split_of[tr] = 'train'; split_of[ev] = 'eval'
+    split_of = pd.Series('', index=m.index, dtype=object)
+    split_of[tr] = 'train'
+    split_of[ev] = 'eval'
     dups = _dup_pairs(m, why)
     why = why.where(why.notna() | drawn, 'not sampled by mix')
-    fates = pd.DataFrame(dict(sample_id=m.sample_id, state=np.where(drawn, 'done', 'skipped'), detail=why.where(~drawn, split_of)))
+    fates = pd.DataFrame(
+        dict(sample_id=m.sample_id, state=np.where(drawn, 'done', 'skipped'), detail=why.where(~drawn, split_of))
+    )
     cols = list(CORPUS_COLUMNS)
-    report = dict(datasets=_report(m, why, drawn, split_of), duplicates=dups, dedup_rule=DEDUP_RULE,
-                  train=len(tr), eval=len(ev), rows=len(m))
+    report = dict(
+        datasets=_report(m, why, drawn, split_of),
+        duplicates=dups,
+        dedup_rule=DEDUP_RULE,
+        train=len(tr),
+        eval=len(ev),
+        rows=len(m),
+    )
     return ds.select(tr).select_columns(cols), ds.select(ev).select_columns(cols), report, fates
 
 # %% ../nbs/40_merge.ipynb #db2ee186
 from .recipe import claim_output, publishing  # the corpus folder is replaced only when merge wrote it
 
 # %% ../nbs/40_merge.ipynb #03790e8e
-def save_corpus(out_dir, train, eval, manifest:dict)->Path: # out_dir
+def save_corpus(out_dir, train, eval, manifest: dict) -> Path:  # out_dir
     "Write the splits and `corpus.json` to `out_dir` atomically"
     out = claim_output(out_dir, 'merge')
     with publishing(out, 'merge') as tmp:
         for name, d in dict(train=train, eval=eval).items():
-            d.save_to_disk(str(tmp/name), num_shards=None if len(d) else 1)  # datasets cannot load zero shards back
-        (tmp/'corpus.json').write_text(json.dumps(manifest, indent=1, default=str))
+            d.save_to_disk(str(tmp / name), num_shards=None if len(d) else 1)  # datasets cannot load zero shards back
+        (tmp / 'corpus.json').write_text(json.dumps(manifest, indent=1, default=str))
     return out
 
-def read_corpus_manifest(out_dir)->dict|None:
+
+def read_corpus_manifest(out_dir) -> dict | None:
     "The `corpus.json` of a corpus folder, None when there is none"
     from eagle3nb.recipe import read_json
-    p = Path(out_dir)/'corpus.json'
-    return (read_json(p, 'the corpus manifest is damaged: '
-                         'run `eagle3nb merge RECIPE --force` to write the corpus again')
-            if p.exists() else None)
 
-def load_corpus(out_dir, split:str='train'):
+    p = Path(out_dir) / 'corpus.json'
+    return (
+        read_json(p, 'the corpus manifest is damaged: run `eagle3nb merge RECIPE --force` to write the corpus again')
+        if p.exists()
+        else None
+    )
+
+
+def load_corpus(out_dir, split: str = 'train'):
     "One split of a saved corpus, as a `datasets.Dataset`"
     from datasets import load_from_disk
-    return load_from_disk(str(Path(out_dir)/split))
+
+    return load_from_disk(str(Path(out_dir) / split))
 
 # %% ../nbs/40_merge.ipynb #fae8aee9
 MERGE_DEFAULTS = dict(mix={}, eval_fraction=0.02, seed=None, extra=[])  # seed None: the recipe's seed
 
-def merge_params(r, **over)->dict:
+
+def merge_params(r, **over) -> dict:
     "The merge phase's parameters: defaults < recipe `phases.merge` < non-None `over`"
     p = {**MERGE_DEFAULTS, **r.phases.get('merge', {}), **{k: v for k, v in over.items() if v is not None}}
     unknown = sorted(set(p) - set(MERGE_DEFAULTS) - {'force', 'fixtures'})  # those two are the phase notebook's own
-    if unknown: raise ValueError(f'phases.merge: unknown parameter(s) {unknown}; known: {list(MERGE_DEFAULTS)}')
+    if unknown:
+        raise ValueError(f'phases.merge: unknown parameter(s) {unknown}; known: {list(MERGE_DEFAULTS)}')
     seed = r.seed if p['seed'] is None or int(p['seed']) < 0 else int(p['seed'])  # the notebook's -1: the recipe's seed
-    return dict(mix=dict(p['mix'] or {}), eval_fraction=float(p['eval_fraction']), seed=seed, extra=list(p['extra'] or []))
+    return dict(
+        mix=dict(p['mix'] or {}), eval_fraction=float(p['eval_fraction']), seed=seed, extra=list(p['extra'] or [])
+    )
 
-def merge_inputs(r, extra=())->dict: # label -> folder
+
+def merge_inputs(r, extra=()) -> dict:  # label -> folder
     "The merge inputs of recipe `r`: rendered datasets, the generate phase's completed samples, then `extra` folders"
     root = Path(r.data_root)
-    src = {ds.name: root/'rendered'/ds.name for ds in r.datasets}
-    src.update({f'generated:{ds.name}': d for ds in r.datasets if ((d := root/'generated'/ds.name/'samples')/'state.json').exists()})  # the target's answers replace their prompts
+    src = {ds.name: root / 'rendered' / ds.name for ds in r.datasets}
+    src.update(
+        {
+            f'generated:{ds.name}': d
+            for ds in r.datasets
+            if ((d := root / 'generated' / ds.name / 'samples') / 'state.json').exists()
+        }
+    )  # the target's answers replace their prompts
     src.update({f'extra:{Path(e).name}': Path(e) for e in extra})
-    missing = [str(p) for p in src.values() if not (p/'state.json').exists()]
-    if missing: raise FileNotFoundError(f"merge inputs not found: {', '.join(missing)}; run the render phase (15_render) first")
+    missing = [str(p) for p in src.values() if not (p / 'state.json').exists()]
+    if missing:
+        raise FileNotFoundError(f"merge inputs not found: {', '.join(missing)}; run the render phase (15_render) first")
     return src
 
 # %% ../nbs/40_merge.ipynb #4cfa32b7
 _SAME = ('tokenizer_sha256', 'template_sha256', 'thinking')
 _AGAIN = "the rendered dataset is damaged (a copy cut short?): render it again (the recipe's render phase), then merge"
 
-def _bad_arrow(d:Path)->Path|None:
+
+def _bad_arrow(d: Path) -> Path | None:
     "The first Arrow file of dataset folder `d` that does not read to its end"
     import pyarrow as pa
+
     for f in sorted(d.glob('*.arrow')):
         try:
-            with pa.memory_map(str(f)) as m: pa.ipc.open_stream(m).read_all()
-        except pa.ArrowException: return f
+            with pa.memory_map(str(f)) as m:
+                pa.ipc.open_stream(m).read_all()
+        except pa.ArrowException:
+            return f
     return None
 
-def load_input(d): # -> datasets.Dataset
+
+def load_input(d):  # -> datasets.Dataset
     "A rendered (or generated) dataset folder; `BadFile` naming its damaged file (an Arrow shard cut short, a bad JSON)"
     from datasets import load_from_disk
     from eagle3nb.recipe import bad_file, read_json
+
     d = Path(d)
-    try: return load_from_disk(str(d))
+    try:
+        return load_from_disk(str(d))
     except ValueError as e:  # pyarrow's ArrowInvalid, json's and UTF-8's errors are ValueErrors
         for j in ('state.json', 'dataset_info.json'):
-            if (d/j).is_file(): read_json(d/j, _AGAIN)
+            if (d / j).is_file():
+                read_json(d / j, _AGAIN)
         raise bad_file(_bad_arrow(d) or d, e, _AGAIN, 'Arrow') from None
 
-def check_same_target(inputs:dict): # label -> folder
+
+def check_same_target(inputs: dict):  # label -> folder
     "Raise when rendered inputs disagree on tokenizer, chat template or thinking"
     from eagle3nb.recipe import read_json
+
     seen = {}
     for k, d in inputs.items():
-        p = Path(d)/'render.json'
-        if p.exists(): seen.setdefault(tuple(read_json(p, _AGAIN)['params'].get(x) for x in _SAME), []).append(k)
+        p = Path(d) / 'render.json'
+        if p.exists():
+            seen.setdefault(tuple(read_json(p, _AGAIN)['params'].get(x) for x in _SAME), []).append(k)
     if len(seen) > 1:
-        raise ValueError('merge inputs were rendered for different targets (tokenizer_sha256, template_sha256, thinking): '
-                         + '; '.join(f"{', '.join(v)}: {tuple(str(x)[:12] for x in t)}" for t, v in seen.items()) + '; render them again')
+        raise ValueError(
+            'merge inputs were rendered for different targets (tokenizer_sha256, template_sha256, thinking): '
+            + '; '.join(f"{', '.join(v)}: {tuple(str(x)[:12] for x in t)}" for t, v in seen.items())
+            + '; render them again'
+        )
 
 # %% ../nbs/40_merge.ipynb #211f93dd
-def catalog_exclusions(catalog)->dict: # sample_id -> exclusion reason
+def catalog_exclusions(catalog) -> dict:  # sample_id -> exclusion reason
     "Samples the catalog put in the excluded partition ({} when there is no catalog yet)"
     from .catalog import query
-    if not Path(catalog).exists(): return {}
-    df = query(catalog, "SELECT sample_id, coalesce(exclusion_reason, 'excluded') AS r FROM samples WHERE partition = 'excluded'")
+
+    if not Path(catalog).exists():
+        return {}
+    df = query(
+        catalog,
+        "SELECT sample_id, coalesce(exclusion_reason, 'excluded') AS r FROM samples WHERE partition = 'excluded'",
+    )
     return dict(zip(df.sample_id, df.r))
 
-def record_merge(catalog, fates:pd.DataFrame)->dict: # state -> rows written, plus 'not_in_catalog'
+
+def record_merge(catalog, fates: pd.DataFrame) -> dict:  # state -> rows written, plus 'not_in_catalog'
     "Each sample's merge fate into the catalog (phase `merge`); ids the catalog lacks are counted, not written"
     from .catalog import query, set_state
-    if not len(fates) or not Path(catalog).exists(): return dict(not_in_catalog=len(fates))
-    f = fates.sort_values('state').drop_duplicates('sample_id')  # 'done' sorts first: a replaced row never hides its successor
+
+    if not len(fates) or not Path(catalog).exists():
+        return dict(not_in_catalog=len(fates))
+    f = fates.sort_values('state').drop_duplicates(
+        'sample_id'
+    )  # 'done' sorts first: a replaced row never hides its successor
     known = set(query(catalog, 'SELECT sample_id FROM samples').sample_id)
     ok = f[f.sample_id.isin(known)]
-    out = {st: set_state(catalog, g.sample_id.tolist(), 'merge', st, g.detail.tolist()) for st, g in ok.groupby('state')}
+    out = {
+        st: set_state(catalog, g.sample_id.tolist(), 'merge', st, g.detail.tolist()) for st, g in ok.groupby('state')
+    }
     return {**out, 'not_in_catalog': int((~f.sample_id.isin(known)).sum())}
 
 # %% ../nbs/40_merge.ipynb #72135593
-def merge_recipe(r,                  # resolved recipe (see `recipe.load_recipe`)
-                 force:bool=False,   # merge again even when corpus.json matches
-                 **over,             # overrides of `phases.merge`: mix, eval_fraction, seed, extra
-                )->dict:             # the corpus.json manifest
+def merge_recipe(
+    r,  # resolved recipe (see `recipe.load_recipe`)
+    force: bool = False,  # merge again even when corpus.json matches
+    **over,  # overrides of `phases.merge`: mix, eval_fraction, seed, extra
+) -> dict:  # the corpus.json manifest
     "Merge recipe `r`'s rendered (and `extra`) datasets into `<data_root>/corpus/`, recording fates in the catalog"
     from .recipe import fingerprint
-    p, out = merge_params(r, **over), Path(r.data_root)/'corpus'
-    inputs = merge_inputs(r, p['extra']); check_same_target(inputs)
+
+    p, out = merge_params(r, **over), Path(r.data_root) / 'corpus'
+    inputs = merge_inputs(r, p['extra'])
+    check_same_target(inputs)
     claim_output(out, 'merge')  # before the work: a folder merge did not write is refused at once
     srcs = {k: load_input(v) for k, v in inputs.items()}
     excluded = catalog_exclusions(r.catalog)
-    fp = fingerprint(dict(params=p, inputs={k: d._fingerprint for k, d in srcs.items()}, excluded=sorted(excluded.items())))
-    if not force and (m := read_corpus_manifest(out)) and m.get('fingerprint') == fp: return m
+    fp = fingerprint(
+        dict(params=p, inputs={k: d._fingerprint for k, d in srcs.items()}, excluded=sorted(excluded.items()))
+    )
+    if not force and (m := read_corpus_manifest(out)) and m.get('fingerprint') == fp:
+        return m
     t0 = time.time()
     train, ev, report, fates = merge_corpus(srcs, p['mix'], p['eval_fraction'], p['seed'], excluded)
-    m = dict(fingerprint=fp, params=p, inputs={k: dict(path=str(v), rows=len(srcs[k])) for k, v in inputs.items()},
-             **report, seconds=round(time.time() - t0, 3))
+    m = dict(
+        fingerprint=fp,
+        params=p,
+        inputs={k: dict(path=str(v), rows=len(srcs[k])) for k, v in inputs.items()},
+        **report,
+        seconds=round(time.time() - t0, 3),
+    )
     save_corpus(out, train, ev, m)
     m['catalog'] = record_merge(r.catalog, fates)
     return m
 
 # %% ../nbs/40_merge.ipynb #2089175f
-def merge_table(m:dict)->pd.DataFrame:
+def merge_table(m: dict) -> pd.DataFrame:
     "The per-dataset report of a corpus manifest, one row per dataset plus a total"
     df = pd.DataFrame.from_dict(m['datasets'], orient='index')
-    if not len(df): return df
+    if not len(df):
+        return df
     df.loc['total'] = df.sum()
     return df
 
 # %% ../nbs/40_merge.ipynb #e7bdd48d
-def merge_cli(recipe:str,       # recipe YAML file
-              force:bool=False, # merge again even when corpus.json matches
-             )->dict:           # the corpus.json manifest
+def merge_cli(
+    recipe: str,  # recipe YAML file
+    force: bool = False,  # merge again even when corpus.json matches
+) -> dict:  # the corpus.json manifest
     "`eagle3nb merge RECIPE`: build the corpus from the recipe's rendered datasets and print the report"
     from .recipe import load_recipe
+
     r = load_recipe(recipe)
     m = merge_recipe(r, force=force)
     t = merge_table(m)
     print(t.to_string() if len(t) else 'empty corpus: the recipe lists no datasets (or none is rendered)')
-    print(f"train {m['train']}, eval {m['eval']}; duplicates dropped {sum(m['duplicates'].values())} ({m['dedup_rule']})")
-    print(f"wrote {Path(r.data_root)/'corpus'}")
+    print(
+        f"train {m['train']}, eval {m['eval']}; duplicates dropped {sum(m['duplicates'].values())} ({m['dedup_rule']})"
+    )
+    print(f"wrote {Path(r.data_root) / 'corpus'}")
     return m
 
 # %% ../nbs/40_merge.ipynb #4e0500af
-def smoke_recipe(run_dir,            # folder for data/ and catalog.duckdb
-                 fixtures,           # the shipped sample datasets (tests/fixtures/datasets)
-                 datasets:bool=True, # False: a recipe that lists no datasets
-                 phases:dict=None,   # the recipe's phases
-                ):                   # resolved Recipe, prepared, rendered and catalogued
+def smoke_recipe(
+    run_dir,  # folder for data/ and catalog.duckdb
+    fixtures,  # the shipped sample datasets (tests/fixtures/datasets)
+    datasets: bool = True,  # False: a recipe that lists no datasets
+    phases: dict = None,  # the recipe's phases
+):  # resolved Recipe, prepared, rendered and catalogued
     "A small recipe over shipped sample datasets on kimi-tiny, ready for merge"
     from .recipe import parse_recipe, resolve
     from .prepare import prepare, read_manifest
     from .render import render_dataset, catalog_rows
     from .catalog import record_dataset, upsert_samples, set_state, partition
     from .toy import ensure_toy
+
     fx, run_dir = Path(fixtures).resolve(), Path(run_dir)
-    ds = [dict(name='glaive_toolcall', format='sharegpt', path=str(fx/'glaive_toolcall_en_demo.sample.json')),
-          dict(name='reason_tool_use', format='llamafactory_v1', path=str(fx/'llamafactory_reason_tool_use_demo.sample.jsonl')),
-          dict(name='alpaca', format='alpaca', path=str(fx/'alpaca_en_demo.sample.json')),
-          dict(name='alpaca_copy', format='alpaca', path=str(fx/'alpaca_en_demo.sample.json')),
-          dict(name='alpaca_prompts', format='alpaca', path=str(fx/'alpaca_en_demo.sample.json'), kind='prompt_only')]
-    r = resolve(parse_recipe(dict(name='smoke', target=dict(toy='kimi-tiny'), data_root=str(run_dir/'data'),
-                                  catalog=str(run_dir/'catalog.duckdb'), datasets=ds if datasets else [], phases=phases or {})))
+    ds = [
+        dict(name='glaive_toolcall', format='sharegpt', path=str(fx / 'glaive_toolcall_en_demo.sample.json')),
+        dict(
+            name='reason_tool_use',
+            format='llamafactory_v1',
+            path=str(fx / 'llamafactory_reason_tool_use_demo.sample.jsonl'),
+        ),
+        dict(name='alpaca', format='alpaca', path=str(fx / 'alpaca_en_demo.sample.json')),
+        dict(name='alpaca_copy', format='alpaca', path=str(fx / 'alpaca_en_demo.sample.json')),
+        dict(name='alpaca_prompts', format='alpaca', path=str(fx / 'alpaca_en_demo.sample.json'), kind='prompt_only'),
+    ]
+    r = resolve(
+        parse_recipe(
+            dict(
+                name='smoke',
+                target=dict(toy='kimi-tiny'),
+                data_root=str(run_dir / 'data'),
+                catalog=str(run_dir / 'catalog.duckdb'),
+                datasets=ds if datasets else [],
+                phases=phases or {},
+            )
+        )
+    )
     model, root = ensure_toy(r.target.toy, r.target.model), Path(r.data_root)
     for d in r.datasets:
-        prepare(d.path, d.format, d.name, root/'prepared', kind=d.kind, progress=False)
-        render_dataset(root/'prepared'/d.name, model, root/'rendered'/d.name, thinking=r.target.thinking, num_proc=1)
-        record_dataset(r.catalog, d.name, manifest=read_manifest(root/'prepared'/d.name))
-        rows = catalog_rows(root/'rendered'/d.name); upsert_samples(r.catalog, rows); set_state(r.catalog, rows['sample_id'].to_pylist(), 'render', 'done')
-    if r.datasets: partition(r.catalog, max_ctx=512, long_ctx=1024, max_new_tokens=64, c_long=1)
+        prepare(d.path, d.format, d.name, root / 'prepared', kind=d.kind, progress=False)
+        render_dataset(
+            root / 'prepared' / d.name, model, root / 'rendered' / d.name, thinking=r.target.thinking, num_proc=1
+        )
+        record_dataset(r.catalog, d.name, manifest=read_manifest(root / 'prepared' / d.name))
+        rows = catalog_rows(root / 'rendered' / d.name)
+        upsert_samples(r.catalog, rows)
+        set_state(r.catalog, rows['sample_id'].to_pylist(), 'render', 'done')
+    if r.datasets:
+        partition(r.catalog, max_ctx=512, long_ctx=1024, max_new_tokens=64, c_long=1)
     return r

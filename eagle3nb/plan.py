@@ -21,19 +21,26 @@ from .prepare import ADAPTERS
 from .toy import ensure_toy
 
 # %% ../nbs/90_plan.ipynb #68e2e4f1
-def _a(default, help:str):
+def _a(default, help: str):
     "A `PlanParams` field: its default, and the help text the document prints next to its value"
-    if isinstance(default, dict): return field(default_factory=lambda: dict(default), metadata=dict(help=help))
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata=dict(help=help))
     return field(default=default, metadata=dict(help=help))
+
 
 @dataclass
 class PlanParams:
     "The plan's stated assumptions; the document prints each with its value"
+
     gen_tok_s: float = _a(5_000.0, 'aggregate output tokens/s of the generation fleet (all endpoints together)')
     extract_tok_s: float = _a(10_000.0, 'target forward tokens/s per node')
     extract_nodes: int = _a(1, 'nodes extracting at once')
-    extract_engine_tok_s: float = _a(15_000.0, 'tokens/s of one TP-8 vLLM node with extract_hidden_states (extract --engine vllm)')
-    gpus_per_target: int = _a(1, 'GPUs one copy of the target spans (1: a rank per GPU; 8: device_map auto over a node)')
+    extract_engine_tok_s: float = _a(
+        15_000.0, 'tokens/s of one TP-8 vLLM node with extract_hidden_states (extract --engine vllm)'
+    )
+    gpus_per_target: int = _a(
+        1, 'GPUs one copy of the target spans (1: a rank per GPU; 8: device_map auto over a node)'
+    )
     train_tok_s: float = _a(20_000.0, 'draft training tokens/s per GPU')
     gpus: int = _a(8, 'training GPUs, all nodes together')
     gpus_per_node: int = _a(8, 'GPUs per node (torchrun --nproc_per_node)')
@@ -50,17 +57,20 @@ class PlanParams:
     run_id: str = _a('', 'papermill_runs/<run_id>/ in the commands; empty means <recipe>-v<N>')
 
 # %% ../nbs/90_plan.ipynb #2ba496fb
-def plan_params(r:Recipe, **kw)->PlanParams:
+def plan_params(r: Recipe, **kw) -> PlanParams:
     "Defaults, then the recipe's `phases.plan`, then `kw` (None values ignored)"
     known = {f.name for f in fields(PlanParams)}
     given = {k: v for k, v in (r.phases.get('plan') or {}).items() if k != 'out'}
     bad = sorted(k for k in given if k not in known)
-    if bad: raise RecipeError(f"phases.plan: unknown key(s) {bad}; the plan's assumptions are {', '.join(sorted(known))}")
+    if bad:
+        raise RecipeError(f"phases.plan: unknown key(s) {bad}; the plan's assumptions are {', '.join(sorted(known))}")
     bad = sorted(k for k in kw if k not in known)
-    if bad: raise TypeError(f"unknown plan parameter(s) {bad}; known: {', '.join(sorted(known))}")
+    if bad:
+        raise TypeError(f"unknown plan parameter(s) {bad}; known: {', '.join(sorted(known))}")
     return PlanParams(**{**given, **{k: v for k, v in kw.items() if v is not None}})
 
-def non_default(**kw)->dict:
+
+def non_default(**kw) -> dict:
     "The keyword arguments whose value differs from `PlanParams`' default (what a notebook should pass on)"
     d = asdict(PlanParams())
     return {k: v for k, v in kw.items() if k in d and v != d[k]}
@@ -72,38 +82,52 @@ PHASE_DEFAULTS = dict(
     generate={k: GEN_DEFAULTS[k] for k in ('mode', 'kinds', 'max_new_tokens', 'c_main', 'c_long')},
     merge=dict(eval_fraction=0.02),
     vocab=dict(draft_vocab=32_000),
-    extract=dict(modes='bf16', topk=64),          # modes '' means bf16 for a recipe
-    train=dict(max_steps=10_000, batch_size=1),   # 0 means these for a recipe
+    extract=dict(modes='bf16', topk=64),  # modes '' means bf16 for a recipe
+    train=dict(max_steps=10_000, batch_size=1),  # 0 means these for a recipe
 )
 
-def phase_params(r:Recipe, key:str)->dict:
+
+def phase_params(r: Recipe, key: str) -> dict:
     "A phase's parameters as it will run them: defaults, then the recipe's `phases.<key>`"
     p = {**PHASE_DEFAULTS.get(key, {}), **(r.phases.get(key) or {})}
     for k, v in PHASE_DEFAULTS.get(key, {}).items():
-        if k in ('modes', 'max_steps', 'batch_size') and not p[k]: p[k] = v  # the notebooks' "empty or 0 means default"
+        if k in ('modes', 'max_steps', 'batch_size') and not p[k]:
+            p[k] = v  # the notebooks' "empty or 0 means default"
     return p
 
 # %% ../nbs/90_plan.ipynb #6968d588
-def target_dims(r:Recipe, p:PlanParams)->dict:
+def target_dims(r: Recipe, p: PlanParams) -> dict:
     "H, N, vocab, aux layers and the draft's fc input width, where they came from, and the model folder"
     stated = dict(hidden_size=p.hidden_size, num_hidden_layers=p.num_hidden_layers, vocab_size=p.vocab_size)
     src, model = 'phases.plan', r.target.model
     if not all(stated.values()):
-        if r.target.toy and not (model and (Path(model)/'config.json').exists()):
+        if r.target.toy and not (model and (Path(model) / 'config.json').exists()):
             model = ensure_toy(r.target.toy, model)
-        cfg = Path(model or '')/'config.json'
+        cfg = Path(model or '') / 'config.json'
         if not cfg.exists():
-            raise RecipeError(f"no {cfg}: the target is not on this machine; state its dimensions in the recipe under "
-                              "phases.plan (hidden_size, num_hidden_layers, vocab_size)")
+            raise RecipeError(
+                f"no {cfg}: the target is not on this machine; state its dimensions in the recipe under "
+                "phases.plan (hidden_size, num_hidden_layers, vocab_size)"
+            )
         from eagle3nb.recipe import read_json
-        c = read_json(cfg, "target.model names a model folder whose config.json is damaged: "
-                           "restore it from the model's source")
+
+        c = read_json(
+            cfg, "target.model names a model folder whose config.json is damaged: restore it from the model's source"
+        )
         c = c.get('text_config', c)
-        stated = {k: v or c[k] for k, v in stated.items()}; src = str(cfg)
+        stated = {k: v or c[k] for k, v in stated.items()}
+        src = str(cfg)
     n = stated['num_hidden_layers']
-    aux = check_aux_layers(r.target.aux_layers if r.target.aux_layers is not None else default_aux_layers(n), n,
-                           'target.aux_layers')
-    return dict(**stated, aux_layers=aux, fc_in=len(aux)*stated['hidden_size'], dims_from=src, model_dir=str(model) if model else None)
+    aux = check_aux_layers(
+        r.target.aux_layers if r.target.aux_layers is not None else default_aux_layers(n), n, 'target.aux_layers'
+    )
+    return dict(
+        **stated,
+        aux_layers=aux,
+        fc_in=len(aux) * stated['hidden_size'],
+        dims_from=src,
+        model_dir=str(model) if model else None,
+    )
 
 # %% ../nbs/90_plan.ipynb #4c68f103
 _GROUPS_SQL = """SELECT dataset, partition, kind, count(*)::BIGINT AS samples, sum(total_tokens)::BIGINT AS tokens,
@@ -113,509 +137,857 @@ _STATS_SQL = """SELECT dataset, count(DISTINCT conversation_id)::BIGINT AS conve
   quantile_disc(total_tokens, 0.5) AS p50, quantile_disc(total_tokens, 0.9) AS p90, max(total_tokens) AS max
 FROM samples WHERE list_contains(?, dataset) GROUP BY ALL ORDER BY ALL"""
 
-def catalog_groups(catalog, names:list)->tuple: # groups, stats DataFrames (empty when there is no catalog)
+
+def catalog_groups(catalog, names: list) -> tuple:  # groups, stats DataFrames (empty when there is no catalog)
     "Per (dataset, partition, kind) sums, and per-dataset conversations and length quantiles, from the catalog"
-    if not Path(catalog).exists(): return pd.DataFrame(), pd.DataFrame()
+    if not Path(catalog).exists():
+        return pd.DataFrame(), pd.DataFrame()
     return query(catalog, _GROUPS_SQL, [list(names)]), query(catalog, _STATS_SQL, [list(names)])
 
 # %% ../nbs/90_plan.ipynb #9874deae
-def _kind(ds)->str:
+def _kind(ds) -> str:
     return ds.kind or getattr(ADAPTERS.get(ds.format), 'default_kind', 'full')
 
-def _part(budget:float, cat:dict)->str:
+
+def _part(budget: float, cat: dict) -> str:
     "The catalog phase's partition rule for one budget"
-    if budget <= cat['max_ctx']: return 'main'
+    if budget <= cat['max_ctx']:
+        return 'main'
     return 'long' if budget <= cat['long_ctx'] and cat['c_long'] > 0 else 'excluded'
 
-def estimate_group(ds, p:PlanParams, cat:dict, gen_kinds)->dict:
+
+def estimate_group(ds, p: PlanParams, cat: dict, gen_kinds) -> dict:
     "The one estimated (dataset, partition, kind) row of a dataset not in the catalog"
     n, kind = ds.count or 0, _kind(ds)
     gen = kind in gen_kinds
     mean = p.prompt_tokens if gen else p.dataset_tokens.get(ds.name, p.mean_tokens)
     part = _part(mean + (cat['max_new_tokens'] if gen else 0), cat)
-    return dict(dataset=ds.name, partition=part, kind=kind, samples=n, tokens=n*mean,
-                prompt_tokens=n*mean if gen else None, supervised=None)
+    return dict(
+        dataset=ds.name,
+        partition=part,
+        kind=kind,
+        samples=n,
+        tokens=n * mean,
+        prompt_tokens=n * mean if gen else None,
+        supervised=None,
+    )
 
 # %% ../nbs/90_plan.ipynb #65ef0e07
-def response_tokens(p:PlanParams, ctx:int, mean_prompt:float, max_new_tokens:int=0)->int:
+def response_tokens(p: PlanParams, ctx: int, mean_prompt: float, max_new_tokens: int = 0) -> int:
     "Assumed tokens of one response in a partition of context `ctx`"
     cap = max_new_tokens or max(ctx - mean_prompt, 0)
     return int(min(p.response_tokens, cap))
 
-def gen_seconds(resp:dict, conc:dict, gen_tok_s:float)->float: # resp, conc: {partition: tokens / concurrency}
+
+def gen_seconds(resp: dict, conc: dict, gen_tok_s: float) -> float:  # resp, conc: {partition: tokens / concurrency}
     "Generation time: all response tokens at the fleet's rate, or the long partition at its concurrency, whichever is longer"
-    if not any(resp.values()): return 0.0
+    if not any(resp.values()):
+        return 0.0
     per_request = gen_tok_s / sum(conc.values())  # gen_tok_s is reached with every slot busy
     long = resp.get('long', 0) / (conc['long'] * per_request) if resp.get('long') else 0.0
     return max(sum(resp.values()) / gen_tok_s, long)
 
 # %% ../nbs/90_plan.ipynb #cbaa10a5
-def free_disk(path)->tuple: # (folder measured, free bytes)
+def free_disk(path) -> tuple:  # (folder measured, free bytes)
     "Free bytes on the file system of `path`, or of its nearest existing parent"
     d = Path(path).resolve()
-    while not d.exists(): d = d.parent
+    while not d.exists():
+        d = d.parent
     return str(d), shutil.disk_usage(d).free
 
 # %% ../nbs/90_plan.ipynb #dc97a6d9
-def _groups(r:Recipe, p:PlanParams, cat:dict, gen_kinds)->tuple: # groups, stats, datasets in the catalog
+def _groups(r: Recipe, p: PlanParams, cat: dict, gen_kinds) -> tuple:  # groups, stats, datasets in the catalog
     names = [d.name for d in r.datasets]
     g, st = catalog_groups(r.catalog, names)
     have = set(g.dataset) if len(g) else set()
     est = [estimate_group(d, p, cat, gen_kinds) for d in r.datasets if d.name not in have]
-    g = pd.concat([x for x in (g, pd.DataFrame(est)) if len(x)], ignore_index=True) if (len(g) or est) else \
-        pd.DataFrame(columns=['dataset', 'partition', 'kind', 'samples', 'tokens', 'prompt_tokens', 'supervised'])
+    g = (
+        pd.concat([x for x in (g, pd.DataFrame(est)) if len(x)], ignore_index=True)
+        if (len(g) or est)
+        else pd.DataFrame(columns=['dataset', 'partition', 'kind', 'samples', 'tokens', 'prompt_tokens', 'supervised'])
+    )
     g[['samples', 'tokens']] = g[['samples', 'tokens']].fillna(0).astype('int64')
     g['part'] = g.partition.fillna('main')  # not partitioned yet: counted as main
     return g, st, have
 
 # %% ../nbs/90_plan.ipynb #70ca4e68
-def _add_generation(g:pd.DataFrame, p:PlanParams, parts:dict, gen:dict):
+def _add_generation(g: pd.DataFrame, p: PlanParams, parts: dict, gen: dict):
     g['generated'] = g.kind.isin(gen['kinds']) & (g.part != 'excluded')
     mp = (g.prompt_tokens.astype(float) / g.samples.clip(lower=1)).fillna(0)
-    per = [response_tokens(p, parts.get(pt, parts['main'])['ctx'], m, gen['max_new_tokens']) for pt, m in zip(g.part, mp)]
+    per = [
+        response_tokens(p, parts.get(pt, parts['main'])['ctx'], m, gen['max_new_tokens']) for pt, m in zip(g.part, mp)
+    ]
     g['response_tokens'] = (g.generated * g.samples * pd.Series(per, index=g.index)).astype('int64')
     grows = g.generated & (g.kind == 'prompt_only')
     g['extract_tokens'] = g.tokens.where(g.part != 'excluded', 0).astype('int64') + g.response_tokens.where(grows, 0)
     return g
 
 # %% ../nbs/90_plan.ipynb #33795254
-def partitions(r:Recipe, cat:dict, gen:dict)->dict:
+def partitions(r: Recipe, cat: dict, gen: dict) -> dict:
     "`{main|long: dict(ctx, concurrency, source)}` as the generate phase will see them"
-    src, rows = 'recipe phases.catalog', {'main': (cat['max_ctx'], cat['c_main']), 'long': (cat['long_ctx'], cat['c_long'])}
+    src, rows = (
+        'recipe phases.catalog',
+        {'main': (cat['max_ctx'], cat['c_main']), 'long': (cat['long_ctx'], cat['c_long'])},
+    )
     if Path(r.catalog).exists():
         t = query(r.catalog, "SELECT partition, ctx, concurrency FROM partitions WHERE partition IN ('main', 'long')")
-        if len(t): rows, src = {k: (int(c), int(n)) for k, c, n in t.values}, 'catalog partitions table'
-    return {k: dict(ctx=c, concurrency=gen[f'c_{k}'] or n, source=src if not gen[f'c_{k}'] else 'recipe phases.generate')
-            for k, (c, n) in rows.items()}
+        if len(t):
+            rows, src = {k: (int(c), int(n)) for k, c, n in t.values}, 'catalog partitions table'
+    return {
+        k: dict(ctx=c, concurrency=gen[f'c_{k}'] or n, source=src if not gen[f'c_{k}'] else 'recipe phases.generate')
+        for k, (c, n) in rows.items()
+    }
 
 # %% ../nbs/90_plan.ipynb #769afd54
-def _dataset_rows(r:Recipe, g:pd.DataFrame, st:pd.DataFrame, have:set)->list:
+def _dataset_rows(r: Recipe, g: pd.DataFrame, st: pd.DataFrame, have: set) -> list:
     st = st.set_index('dataset') if len(st) else st
     rows = []
     for d in r.datasets:
         x = g[g.dataset == d.name]
         s = st.loc[d.name] if d.name in have else None
         n = lambda m: int(x.samples[m].sum())
-        rows.append(dict(name=d.name, format=d.format, kind=_kind(d), license=d.license, path=d.path, count=d.count,
-            source='catalog' if d.name in have else 'estimate' if d.count else 'none (no count, not in the catalog)', samples=int(x.samples.sum()),
-            conversations=int(s.conversations) if s is not None else d.count, tokens=int(x.tokens.sum()),
-            mean=float(s['mean']) if s is not None else (float(x.tokens.sum() / max(x.samples.sum(), 1)) if len(x) else None),
-            p50=int(s.p50) if s is not None else None, p90=int(s.p90) if s is not None else None,
-            max=int(s['max']) if s is not None else None,
-            supervised=int(x.supervised.sum()) if s is not None else None, prompt_only=n(x.kind == 'prompt_only'),
-            main=n(x.partition == 'main'), long=n(x.partition == 'long'), excluded=n(x.partition == 'excluded'),
-            unpartitioned=n(x.partition.isna()), generated=n(x.generated), response_tokens=int(x.response_tokens.sum()),
-            extract_tokens=int(x.extract_tokens.sum())))
+        rows.append(
+            dict(
+                name=d.name,
+                format=d.format,
+                kind=_kind(d),
+                license=d.license,
+                path=d.path,
+                count=d.count,
+                source='catalog'
+                if d.name in have
+                else 'estimate'
+                if d.count
+                else 'none (no count, not in the catalog)',
+                samples=int(x.samples.sum()),
+                conversations=int(s.conversations) if s is not None else d.count,
+                tokens=int(x.tokens.sum()),
+                mean=float(s['mean'])
+                if s is not None
+                else (float(x.tokens.sum() / max(x.samples.sum(), 1)) if len(x) else None),
+                p50=int(s.p50) if s is not None else None,
+                p90=int(s.p90) if s is not None else None,
+                max=int(s['max']) if s is not None else None,
+                supervised=int(x.supervised.sum()) if s is not None else None,
+                prompt_only=n(x.kind == 'prompt_only'),
+                main=n(x.partition == 'main'),
+                long=n(x.partition == 'long'),
+                excluded=n(x.partition == 'excluded'),
+                unpartitioned=n(x.partition.isna()),
+                generated=n(x.generated),
+                response_tokens=int(x.response_tokens.sum()),
+                extract_tokens=int(x.extract_tokens.sum()),
+            )
+        )
     return rows
 
 # %% ../nbs/90_plan.ipynb #b6359f4b
-def _hidden(r:Recipe, p:PlanParams, dims:dict, tokens:int, samples:int)->dict:
+def _hidden(r: Recipe, p: PlanParams, dims: dict, tokens: int, samples: int) -> dict:
     ex, vc = phase_params(r, 'extract'), phase_params(r, 'vocab')
     planned = [m.strip() for m in ex['modes'].split(',') if m.strip()]
     sized = list(dict.fromkeys([m.strip() for m in p.modes.split(',') if m.strip()] + planned))
-    where, free = free_disk(Path(r.data_root)/'hidden')
+    where, free = free_disk(Path(r.data_root) / 'hidden')
     n_aux, vd = len(dims['aux_layers']), min(vc['draft_vocab'], dims['vocab_size'])
     modes = {}
     for m in sized:
         bpt = bytes_per_token(m, dims['hidden_size'], n_aux, ex['topk'], vd)
         b = tokens * bpt
-        modes[m] = dict(bytes_per_token=bpt, bytes=b, bytes_per_sample=b / samples if samples else None,
-                        fits=b * p.disk_margin <= free, planned=m in planned)
+        modes[m] = dict(
+            bytes_per_token=bpt,
+            bytes=b,
+            bytes_per_sample=b / samples if samples else None,
+            fits=b * p.disk_margin <= free,
+            planned=m in planned,
+        )
     need = sum(v['bytes'] for v in modes.values() if v['planned'])
-    return dict(tokens=tokens, samples=samples, modes=modes, planned=planned, need_bytes=need, free_bytes=free,
-                free_at=where, fits=need * p.disk_margin <= free, topk=ex['topk'], draft_vocab=vd)
+    return dict(
+        tokens=tokens,
+        samples=samples,
+        modes=modes,
+        planned=planned,
+        need_bytes=need,
+        free_bytes=free,
+        free_at=where,
+        fits=need * p.disk_margin <= free,
+        topk=ex['topk'],
+        draft_vocab=vd,
+    )
 
 # %% ../nbs/90_plan.ipynb #b1c583e7
-def _times(r:Recipe, p:PlanParams, hid:dict)->tuple: # extract, train dicts
+def _times(r: Recipe, p: PlanParams, hid: dict) -> tuple:  # extract, train dicts
     n_modes = len(hid['planned'])
-    ext = dict(tokens=hid['tokens'] * n_modes, modes=hid['planned'], nodes=p.extract_nodes,
-               seconds=hid['tokens'] * n_modes / (p.extract_tok_s * p.extract_nodes),
-               engine_seconds=hid['tokens'] * n_modes / (p.extract_engine_tok_s * p.extract_nodes))
-    tr = phase_params(r, 'train'); ef = phase_params(r, 'merge')['eval_fraction']
+    ext = dict(
+        tokens=hid['tokens'] * n_modes,
+        modes=hid['planned'],
+        nodes=p.extract_nodes,
+        seconds=hid['tokens'] * n_modes / (p.extract_tok_s * p.extract_nodes),
+        engine_seconds=hid['tokens'] * n_modes / (p.extract_engine_tok_s * p.extract_nodes),
+    )
+    tr = phase_params(r, 'train')
+    ef = phase_params(r, 'merge')['eval_fraction']
     toks, samples = hid['tokens'] * (1 - ef), int(hid['samples'] * (1 - ef))
     per_step = tr['batch_size'] * p.gpus
-    train = dict(train_tokens=int(toks), train_samples=samples, eval_fraction=ef, epochs=p.epochs, gpus=p.gpus,
-                 seconds=toks * p.epochs / (p.train_tok_s * p.gpus), batch_size=tr['batch_size'],
-                 steps_for_epochs=math.ceil(p.epochs * samples / per_step) if samples else 0,
-                 max_steps=tr['max_steps'], epochs_of_max_steps=tr['max_steps'] * per_step / samples if samples else None)
+    train = dict(
+        train_tokens=int(toks),
+        train_samples=samples,
+        eval_fraction=ef,
+        epochs=p.epochs,
+        gpus=p.gpus,
+        seconds=toks * p.epochs / (p.train_tok_s * p.gpus),
+        batch_size=tr['batch_size'],
+        steps_for_epochs=math.ceil(p.epochs * samples / per_step) if samples else 0,
+        max_steps=tr['max_steps'],
+        epochs_of_max_steps=tr['max_steps'] * per_step / samples if samples else None,
+    )
     return ext, train
 
 # %% ../nbs/90_plan.ipynb #e19128ab
-def _partition_rows(g:pd.DataFrame, parts:dict)->list:
+def _partition_rows(g: pd.DataFrame, parts: dict) -> list:
     rows = []
     for k in ('main', 'long', 'excluded'):
         x = g[g.part == k]
-        rows.append(dict(partition=k, ctx=parts.get(k, {}).get('ctx'), concurrency=parts.get(k, {}).get('concurrency'),
-                         samples=int(x.samples.sum()), tokens=int(x.tokens.sum()), generated=int(x.samples[x.generated].sum()),
-                         extract_tokens=int(x.extract_tokens.sum())))
+        rows.append(
+            dict(
+                partition=k,
+                ctx=parts.get(k, {}).get('ctx'),
+                concurrency=parts.get(k, {}).get('concurrency'),
+                samples=int(x.samples.sum()),
+                tokens=int(x.tokens.sum()),
+                generated=int(x.samples[x.generated].sum()),
+                extract_tokens=int(x.extract_tokens.sum()),
+            )
+        )
     return rows
 
-def _generation(g:pd.DataFrame, p:PlanParams, parts:dict, gen:dict)->dict:
+
+def _generation(g: pd.DataFrame, p: PlanParams, parts: dict, gen: dict) -> dict:
     x = g[g.generated]
-    per = {k: dict(samples=int(x.samples[x.part == k].sum()), prompt_tokens=int(x.prompt_tokens[x.part == k].fillna(0).sum()),
-                   response_tokens=int(x.response_tokens[x.part == k].sum()), **parts[k]) for k in ('main', 'long')}
+    per = {
+        k: dict(
+            samples=int(x.samples[x.part == k].sum()),
+            prompt_tokens=int(x.prompt_tokens[x.part == k].fillna(0).sum()),
+            response_tokens=int(x.response_tokens[x.part == k].sum()),
+            **parts[k],
+        )
+        for k in ('main', 'long')
+    }
     resp = {k: v['response_tokens'] for k, v in per.items()}
     conc = {k: v['concurrency'] for k, v in per.items()}
-    return dict(kinds=list(gen['kinds']), mode=gen['mode'], max_new_tokens=gen['max_new_tokens'], partitions=per,
-                samples=sum(v['samples'] for v in per.values()), response_tokens=sum(resp.values()),
-                seconds=gen_seconds(resp, conc, p.gen_tok_s), gen_tok_s=p.gen_tok_s)
+    return dict(
+        kinds=list(gen['kinds']),
+        mode=gen['mode'],
+        max_new_tokens=gen['max_new_tokens'],
+        partitions=per,
+        samples=sum(v['samples'] for v in per.values()),
+        response_tokens=sum(resp.values()),
+        seconds=gen_seconds(resp, conc, p.gen_tok_s),
+        gen_tok_s=p.gen_tok_s,
+    )
 
 # %% ../nbs/90_plan.ipynb #389472e7
-def fmt_n(x)->str:
+def fmt_n(x) -> str:
     "1234567 -> '1,234,567'; 0.25 -> '0.25'; None -> '–'"
-    if x is None or (isinstance(x, float) and math.isnan(x)): return '–'
-    if isinstance(x, bool): return 'yes' if x else 'no'
-    if isinstance(x, float) and not x.is_integer(): return f'{x:,.0f}' if abs(x) >= 100 else f'{x:.3g}'
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return '–'
+    if isinstance(x, bool):
+        return 'yes' if x else 'no'
+    if isinstance(x, float) and not x.is_integer():
+        return f'{x:,.0f}' if abs(x) >= 100 else f'{x:.3g}'
     return f'{int(x):,}'
 
-def fmt_bytes(b)->str:
+
+def fmt_bytes(b) -> str:
     "Bytes in decimal units: 57349 -> '57.3 KB'"
-    if b is None: return '–'
+    if b is None:
+        return '–'
     for u in ('B', 'KB', 'MB', 'GB', 'TB'):
-        if abs(b) < 1000: return f'{b:.0f} {u}' if u == 'B' else f'{b:.1f} {u}'
+        if abs(b) < 1000:
+            return f'{b:.0f} {u}' if u == 'B' else f'{b:.1f} {u}'
         b /= 1000
     return f'{b:.1f} PB'
 
-def fmt_secs(s)->str:
+
+def fmt_secs(s) -> str:
     "Seconds as minutes, hours or days"
-    if s is None: return '–'
-    if s < 3600: return f'{s/60:.0f} min' if s >= 60 else f'{s:.0f} s'
-    return f'{s/3600:.1f} h' if s < 2*86400 else f'{s/86400:.1f} days ({s/3600:,.0f} h)'
+    if s is None:
+        return '–'
+    if s < 3600:
+        return f'{s / 60:.0f} min' if s >= 60 else f'{s:.0f} s'
+    return f'{s / 3600:.1f} h' if s < 2 * 86400 else f'{s / 86400:.1f} days ({s / 3600:,.0f} h)'
 
 # %% ../nbs/90_plan.ipynb #89fe7db5
-def md_table(rows:list, # dicts, one per row
-             cols:dict, # key -> header; the order of the columns
-             fmt=fmt_n, # value -> text, for values that are not text already
-            )->str:
+def md_table(
+    rows: list,  # dicts, one per row
+    cols: dict,  # key -> header; the order of the columns
+    fmt=fmt_n,  # value -> text, for values that are not text already
+) -> str:
     "A GitHub-flavoured markdown table"
     cell = lambda v: v if isinstance(v, str) else fmt(v)
     lines = ['| ' + ' | '.join(cols.values()) + ' |', '|' + '---|' * len(cols)]
     return '\n'.join(lines + ['| ' + ' | '.join(cell(r.get(k)) for k in cols) + ' |' for r in rows])
 
 # %% ../nbs/90_plan.ipynb #3f1d944b
-def _q(s)->str:
+def _q(s) -> str:
     "Shell-quoted unless plain ASCII: a name with a space, a `;`, a `$` or a non-ASCII letter is one word, never code"
     s = str(s)
     return s if re.fullmatch(r'[\w@%+=:,./-]+', s, flags=re.ASCII) else "'" + s.replace("'", "'\\''") + "'"
 
-def _torchrun(nodes:int, per_node:int)->str:
-    multi = f' --nnodes {nodes} --node_rank $NODE_RANK --master_addr $MASTER_ADDR --master_port 29500' if nodes > 1 else ''
+
+def _torchrun(nodes: int, per_node: int) -> str:
+    multi = (
+        f' --nnodes {nodes} --node_rank $NODE_RANK --master_addr $MASTER_ADDR --master_port 29500' if nodes > 1 else ''
+    )
     return f'torchrun{multi} --nproc_per_node {per_node}'
 
-def _papermill(stem:str, run:str, recipe:str, **kw)->str:
+
+def _papermill(stem: str, run: str, recipe: str, **kw) -> str:
     "A papermill command (for `bash -c` under torchrun) that runs a phase notebook with one record per rank"
     ps = ''.join(f' -p {k} {v}' for k, v in kw.items())
     run = _q(run)
     return f"papermill nbs/phases/{stem}.ipynb papermill_runs/{run}/{stem}.rank$RANK.ipynb -p recipe {recipe} -p run_dir papermill_runs/{run}{ps}"
 
 # %% ../nbs/90_plan.ipynb #1ce3b5a2
-def _prep_cmds(r:Recipe, f:dict, run)->list:
+def _prep_cmds(r: Recipe, f: dict, run) -> list:
     D = _q(f['data_root'])
     each = []
     for d in r.datasets:
         c = f'eagle3nb prepare --format {_q(d.format)} --input {_q(d.path)} --name {_q(d.name)} --out {D}/prepared'
-        if d.count: c += f' --count {d.count} --seed {r.seed}'
-        if d.kind: c += f' --kind {d.kind}'
-        if d.license: c += f' --license {_q(d.license)}'
+        if d.count:
+            c += f' --count {d.count} --seed {r.seed}'
+        if d.kind:
+            c += f' --kind {d.kind}'
+        if d.license:
+            c += f' --license {_q(d.license)}'
         each.append(c)
     note = '# or one dataset at a time (the phase also records each dataset in the catalog):'
-    return [('prepare', 'raw datasets -> canonical conversations (prepared/)', [run('prepare'), note, *each] if each else [run('prepare')])]
+    return [
+        (
+            'prepare',
+            'raw datasets -> canonical conversations (prepared/)',
+            [run('prepare'), note, *each] if each else [run('prepare')],
+        )
+    ]
 
 # %% ../nbs/90_plan.ipynb #b3cef02c
-def _extract_cmds(f:dict, run)->list:
+def _extract_cmds(f: dict, run) -> list:
     p, R = f['params'], _q(f['recipe_path'])
     modes = ','.join(f['hidden']['planned'])
     per_node = max(1, p['gpus_per_node'] // p['gpus_per_target'])
-    lines = [run('extract') + '   # one process, one target copy (device_map from phases.extract); it also validates every store']
+    lines = [
+        run('extract')
+        + '   # one process, one target copy (device_map from phases.extract); it also validates every store'
+    ]
     if p['gpus_per_target'] == 1:
-        lines += ['# one rank per GPU, the corpus split by sample id:',
-                  f"{_torchrun(p['extract_nodes'], per_node)} --no-python eagle3nb extract {R} --modes {modes}"]
+        lines += [
+            '# one rank per GPU, the corpus split by sample id:',
+            f"{_torchrun(p['extract_nodes'], per_node)} --no-python eagle3nb extract {R} --modes {modes}",
+        ]
     else:
         cli = f'eagle3nb extract {R} --modes {modes} --device-map auto'
         if per_node > 1:  # several copies per node: each rank sees only its own GPUs
             g = p['gpus_per_target']
-            cli = 'bash -c ' + _q(f"CUDA_VISIBLE_DEVICES=$(seq -s, $((LOCAL_RANK*{g})) "
-                                  f"$((LOCAL_RANK*{g}+{g-1}))) {cli}")
-        lines += [f"# one target copy per {p['gpus_per_target']} GPUs (device_map auto), {p['extract_nodes']} node(s); "
-                  'data root on a file system every node shares:',
-                  f"{_torchrun(p['extract_nodes'], per_node)} --no-python {cli}"]
-    return [('extract', f"aux hidden states -> hidden/{{{modes}}}/ (torchrun ranks write their own shards)", lines + _engine_cmds(f, modes))]
+            cli = 'bash -c ' + _q(
+                f"CUDA_VISIBLE_DEVICES=$(seq -s, $((LOCAL_RANK*{g})) $((LOCAL_RANK*{g}+{g - 1}))) {cli}"
+            )
+        lines += [
+            f"# one target copy per {p['gpus_per_target']} GPUs (device_map auto), {p['extract_nodes']} node(s); "
+            'data root on a file system every node shares:',
+            f"{_torchrun(p['extract_nodes'], per_node)} --no-python {cli}",
+        ]
+    return [
+        (
+            'extract',
+            f"aux hidden states -> hidden/{{{modes}}}/ (torchrun ranks write their own shards)",
+            lines + _engine_cmds(f, modes),
+        )
+    ]
 
-def _train_cmds(f:dict, run)->list:
+
+def _train_cmds(f: dict, run) -> list:
     p, R, RUN, t = f['params'], _q(f['recipe_path']), f['run_id'], f['train']
     lines = [run('train') + '   # one process, one GPU']
     if p['gpus'] > 1:
         nodes, per = math.ceil(p['gpus'] / p['gpus_per_node']), min(p['gpus'], p['gpus_per_node'])
-        nb = _papermill('60_train', RUN, R, device='cuda:$LOCAL_RANK', max_steps=t['steps_for_epochs'] or t['max_steps'])
-        lines += [f"# DDP over {p['gpus']} GPUs, max_steps for {fmt_n(p['epochs'])} epochs; checkpoints in papermill_runs/{RUN}/checkpoints/:",
-                  f"{_torchrun(nodes, per)} --no-python bash -c {_q(nb)}"]
+        nb = _papermill(
+            '60_train', RUN, R, device='cuda:$LOCAL_RANK', max_steps=t['steps_for_epochs'] or t['max_steps']
+        )
+        lines += [
+            f"# DDP over {p['gpus']} GPUs, max_steps for {fmt_n(p['epochs'])} epochs; checkpoints in papermill_runs/{RUN}/checkpoints/:",
+            f"{_torchrun(nodes, per)} --no-python bash -c {_q(nb)}",
+        ]
     return [('train', 'TTT training of the draft; resumes from the last checkpoint', lines)]
 
-def _engine_cmds(f:dict, modes:str)->list:
+
+def _engine_cmds(f: dict, modes: str) -> list:
     "Extraction through vLLM at TP 8: serve the target with extract_hidden_states and the connector, then one request per sample"
     from eagle3nb.engine_extract import extract_spec, extract_kv_config
+
     t, p, e = f['target'], f['params'], f['extract']
     spool = f"{f['data_root']}/hidden/.engine/spool"
-    ctx = max([v['ctx'] for v in f['generation']['partitions'].values()], default=0)  # the longest sample a partition holds
+    ctx = max(
+        [v['ctx'] for v in f['generation']['partitions'].values()], default=0
+    )  # the longest sample a partition holds
     spec, kv = extract_spec(list(t['aux_layers']) + [t['num_hidden_layers']]), extract_kv_config(spool, cpu=False)
-    return [f"# or through the engine, for a target no HF forward holds (Kimi-K2.5: TP 8; add --trust-remote-code): "
-            f"~{fmt_secs(e['engine_seconds'])} at {fmt_n(p['extract_engine_tok_s'])} tok/s per node",
-            f"vllm serve {_q(t['model_dir'] or t['model'])} --tensor-parallel-size 8 --no-enable-chunked-prefill "
-            + (f"--max-model-len {ctx + 8} " if ctx else '') + f"--speculative-config {_q(json.dumps(spec))} --kv-transfer-config {_q(json.dumps(kv))}",
-            f"eagle3nb extract {_q(f['recipe_path'])} --engine vllm --modes {modes} --concurrency 64 --spool {_q(spool)}"
-            "   # target.endpoints: that server (http://HOST:8000/v1); the spool on a file system both see"]
+    return [
+        f"# or through the engine, for a target no HF forward holds (Kimi-K2.5: TP 8; add --trust-remote-code): "
+        f"~{fmt_secs(e['engine_seconds'])} at {fmt_n(p['extract_engine_tok_s'])} tok/s per node",
+        f"vllm serve {_q(t['model_dir'] or t['model'])} --tensor-parallel-size 8 --no-enable-chunked-prefill "
+        + (f"--max-model-len {ctx + 8} " if ctx else '')
+        + f"--speculative-config {_q(json.dumps(spec))} --kv-transfer-config {_q(json.dumps(kv))}",
+        f"eagle3nb extract {_q(f['recipe_path'])} --engine vllm --modes {modes} --concurrency 64 --spool {_q(spool)}"
+        "   # target.endpoints: that server (http://HOST:8000/v1); the spool on a file system both see",
+    ]
 
 # %% ../nbs/90_plan.ipynb #0ac247ac
-def commands(r:Recipe, f:dict)->list: # (phase, what it does, command lines); '#' lines are comments
+def commands(r: Recipe, f: dict) -> list:  # (phase, what it does, command lines); '#' lines are comments
     "The exact commands of every phase of `r`, in run order"
     R, RUN, D, M = _q(f['recipe_path']), _q(f['run_id']), _q(f['data_root']), _q(f['target']['model_dir'])
     run = lambda ph: f'eagle3nb run {R} --run-id {RUN} --phases {ph}'
     t = f['train']
     step = t['steps_for_epochs'] if f['params']['gpus'] > 1 and t['steps_for_epochs'] else t['max_steps']
-    key = [f'export {r.target.api_key_env}=...   # the endpoints\' API key, never in the recipe'] if r.target.api_key_env else []
+    key = (
+        [f'export {r.target.api_key_env}=...   # the endpoints\' API key, never in the recipe']
+        if r.target.api_key_env
+        else []
+    )
     base = r.target.endpoints[0] if r.target.endpoints else '$BASE_URL'
     sb = r.phases.get('serve_bench') or {}
     trc = ' --trust-remote-code' if (r.phases.get('doctor') or {}).get('trust_remote_code') else ''
     spec, conc = sb.get('speculative') or '$SPEC_URL', sb.get('concurrencies') or '1,8'
-    return [('check', 'validate the recipe; this plan', [f'eagle3nb recipe check {R}', f'eagle3nb plan {R}   # again after the catalog phase: measured counts replace estimates']),
+    return [
+        (
+            'check',
+            'validate the recipe; this plan',
+            [
+                f'eagle3nb recipe check {R}',
+                f'eagle3nb plan {R}   # again after the catalog phase: measured counts replace estimates',
+            ],
+        ),
         ('target_check', 'the endpoints answer and render prompts as we do', key + [run('target_check')]),
         *_prep_cmds(r, f, run),
         ('render', "conversations -> token ids and loss masks in the target's template", [run('render')]),
         ('catalog', 'every sample in the catalog, partitioned by length', [run('catalog')]),
         ('generate', "the target's own responses (resumable)", [f'eagle3nb generate {R}', f'# or: {run("generate")}']),
         ('merge', 'one deduplicated, shuffled corpus', [f'eagle3nb merge {R}', f'# or: {run("merge")}']),
-        ('vocab', 'the draft vocabulary (d2t, t2d), CPU only',
-         [f"eagle3nb vocab {R} --draft-vocab {f['phases']['vocab']['draft_vocab']}", f'# or: {run("vocab")}']),
-        *_extract_cmds(f, run), *_train_cmds(f, run),
-        ('export', 'an engine-ready EAGLE3 draft, and the commands that serve the target with it',
-         [run('export') + f'   # the newest checkpoint -> {D}/export; papermill_runs/{RUN}/launch_{{sglang,vllm}}.sh',
-          f'# or: eagle3nb export papermill_runs/{RUN}/checkpoints/step_{step} --out {D}/export --target {M} --data {D}',
-          f'eagle3nb launch {D}/export --target {M}   # prints the SGLang and vLLM launch commands'],),
-        ('doctor', 'every known silent failure: draft, target, launch arguments, and the running server',
-         [run('doctor') + f'   # checks papermill_runs/{RUN}/launch_*.sh',
-          *(['# SPEC_URL: the server launched with the draft (a launch command above), e.g. http://HOST:30000/v1'] if spec == '$SPEC_URL' else []),
-          f'eagle3nb doctor {D}/export --target {M} --server {spec}{trc}   # SGLang: its /get_server_info',
-          f'eagle3nb doctor {D}/export --target {M} --server-args papermill_runs/{RUN}/launch_vllm.sh{trc}   # vLLM: the launch command']),
-        ('verify', 'the proof in the engine: vLLM serves the target with the draft, greedy output unchanged, acceptance counted',
-         [f'eagle3nb verify {D}/export --target {M} --recipe {R} --json papermill_runs/{RUN}/verify.json   # EAGLE3NB_VLLM: your vLLM venv',
-          f'# or: {run("verify")}   # the offline estimate is skipped for a target too big to load here']),
-        ('serve_bench', 'output tok/s, TTFT and accept length against the target alone',
-         [(f"eagle3nb serve-bench --baseline {base} --speculative {spec} "
-           f"--model {_q(r.target.served_name) if r.target.served_name else '$MODEL'} "
-           f"--recipe {R} --concurrency {conc}"),
-          f'# or: {run("serve_bench")}' + ('   # with phases.serve_bench.speculative set to the speculative URL' if spec == '$SPEC_URL' else '')]),
-        ('plan', 'this document as a phase (its record goes with the run)', [run('plan')])]
+        (
+            'vocab',
+            'the draft vocabulary (d2t, t2d), CPU only',
+            [f"eagle3nb vocab {R} --draft-vocab {f['phases']['vocab']['draft_vocab']}", f'# or: {run("vocab")}'],
+        ),
+        *_extract_cmds(f, run),
+        *_train_cmds(f, run),
+        (
+            'export',
+            'an engine-ready EAGLE3 draft, and the commands that serve the target with it',
+            [
+                run('export')
+                + f'   # the newest checkpoint -> {D}/export; papermill_runs/{RUN}/launch_{{sglang,vllm}}.sh',
+                f'# or: eagle3nb export papermill_runs/{RUN}/checkpoints/step_{step} --out {D}/export --target {M} --data {D}',
+                f'eagle3nb launch {D}/export --target {M}   # prints the SGLang and vLLM launch commands',
+            ],
+        ),
+        (
+            'doctor',
+            'every known silent failure: draft, target, launch arguments, and the running server',
+            [
+                run('doctor') + f'   # checks papermill_runs/{RUN}/launch_*.sh',
+                *(
+                    [
+                        '# SPEC_URL: the server launched with the draft (a launch command above), e.g. http://HOST:30000/v1'
+                    ]
+                    if spec == '$SPEC_URL'
+                    else []
+                ),
+                f'eagle3nb doctor {D}/export --target {M} --server {spec}{trc}   # SGLang: its /get_server_info',
+                f'eagle3nb doctor {D}/export --target {M} --server-args papermill_runs/{RUN}/launch_vllm.sh{trc}   # vLLM: the launch command',
+            ],
+        ),
+        (
+            'verify',
+            'the proof in the engine: vLLM serves the target with the draft, greedy output unchanged, acceptance counted',
+            [
+                f'eagle3nb verify {D}/export --target {M} --recipe {R} --json papermill_runs/{RUN}/verify.json   # EAGLE3NB_VLLM: your vLLM venv',
+                f'# or: {run("verify")}   # the offline estimate is skipped for a target too big to load here',
+            ],
+        ),
+        (
+            'serve_bench',
+            'output tok/s, TTFT and accept length against the target alone',
+            [
+                (
+                    f"eagle3nb serve-bench --baseline {base} --speculative {spec} "
+                    f"--model {_q(r.target.served_name) if r.target.served_name else '$MODEL'} "
+                    f"--recipe {R} --concurrency {conc}"
+                ),
+                f'# or: {run("serve_bench")}'
+                + (
+                    '   # with phases.serve_bench.speculative set to the speculative URL' if spec == '$SPEC_URL' else ''
+                ),
+            ],
+        ),
+        ('plan', 'this document as a phase (its record goes with the run)', [run('plan')]),
+    ]
 
 # %% ../nbs/90_plan.ipynb #180ad88a
-def summary(f:dict)->dict:
+def summary(f: dict) -> dict:
     "Label -> text of the plan's headline numbers"
     t, g, h, e, tr, p = f['target'], f['generation'], f['hidden'], f['extract'], f['train'], f['params']
     n_cat, n_est = (sum(d['source'] == s for d in f['datasets']) for s in ('catalog', 'estimate'))
     parts = ' · '.join(f"{x['partition']} {fmt_n(x['samples'])}" for x in f['partitions'])
-    s = {'recipe': f"{f['recipe']} ({f['recipe_path']})", 'plan': f"v{f['version'] or '?'}, {f['date']}, run id {f['run_id']}",
-         'target': f"{t['model'] or t['toy']}: H={t['hidden_size']}, {t['num_hidden_layers']} layers, vocab {fmt_n(t['vocab_size'])}",
-         'aux layers, fc input': f"{t['aux_layers']} -> {fmt_n(t['fc_in'])} = {len(t['aux_layers'])} x {t['hidden_size']}",
-         'datasets': f"{len(f['datasets'])} ({n_cat} from the catalog, {n_est} estimated"
-                     + (f", {len(f['datasets']) - n_cat - n_est} with no count and not in the catalog)" if len(f['datasets']) > n_cat + n_est else ')'),
-         'samples, tokens (before generation)': f"{fmt_n(sum(d['samples'] for d in f['datasets']))} samples, "
-                                               f"{fmt_n(sum(d['tokens'] for d in f['datasets']))} tokens",
-         'partitions (samples)': parts,
-         'generation': f"{fmt_n(g['samples'])} samples, {fmt_n(g['response_tokens'])} response tokens: "
-                       f"~{fmt_secs(g['seconds'])} at {fmt_n(g['gen_tok_s'])} tok/s",
-         'hidden-state tokens': f"{fmt_n(h['tokens'])} tokens in {fmt_n(h['samples'])} samples"}
+    s = {
+        'recipe': f"{f['recipe']} ({f['recipe_path']})",
+        'plan': f"v{f['version'] or '?'}, {f['date']}, run id {f['run_id']}",
+        'target': f"{t['model'] or t['toy']}: H={t['hidden_size']}, {t['num_hidden_layers']} layers, vocab {fmt_n(t['vocab_size'])}",
+        'aux layers, fc input': f"{t['aux_layers']} -> {fmt_n(t['fc_in'])} = {len(t['aux_layers'])} x {t['hidden_size']}",
+        'datasets': f"{len(f['datasets'])} ({n_cat} from the catalog, {n_est} estimated"
+        + (
+            f", {len(f['datasets']) - n_cat - n_est} with no count and not in the catalog)"
+            if len(f['datasets']) > n_cat + n_est
+            else ')'
+        ),
+        'samples, tokens (before generation)': f"{fmt_n(sum(d['samples'] for d in f['datasets']))} samples, "
+        f"{fmt_n(sum(d['tokens'] for d in f['datasets']))} tokens",
+        'partitions (samples)': parts,
+        'generation': f"{fmt_n(g['samples'])} samples, {fmt_n(g['response_tokens'])} response tokens: "
+        f"~{fmt_secs(g['seconds'])} at {fmt_n(g['gen_tok_s'])} tok/s",
+        'hidden-state tokens': f"{fmt_n(h['tokens'])} tokens in {fmt_n(h['samples'])} samples",
+    }
     for m, v in h['modes'].items():
         fit = 'fits' if v['fits'] else '**does not fit**'
-        s[f'disk, {m}' + (' (planned)' if v['planned'] else '')] = (f"{fmt_bytes(v['bytes'])} ({fmt_n(v['bytes_per_token'])} B/token): "
-                                                                   f"{fit} in {fmt_bytes(h['free_bytes'])} free at {h['free_at']}")
-    s['extraction'] = f"~{fmt_secs(e['seconds'])}: {fmt_n(e['tokens'])} forward tokens ({'+'.join(e['modes'])}) on {e['nodes']} node(s) at {fmt_n(p['extract_tok_s'])} tok/s"
-    s['extraction through vLLM'] = f"~{fmt_secs(e['engine_seconds'])} at {fmt_n(p['extract_engine_tok_s'])} tok/s per TP-8 node (`--engine vllm`)"
-    s['training'] = (f"~{fmt_secs(tr['seconds'])}: {fmt_n(tr['epochs'])} epochs of {fmt_n(tr['train_tokens'])} tokens on {tr['gpus']} GPUs "
-                     f"at {fmt_n(p['train_tok_s'])} tok/s each; max_steps {fmt_n(tr['steps_for_epochs'])} for that "
-                     f"(the recipe's {fmt_n(tr['max_steps'])} make {fmt_n(tr['epochs_of_max_steps'])} epochs)")
+        s[f'disk, {m}' + (' (planned)' if v['planned'] else '')] = (
+            f"{fmt_bytes(v['bytes'])} ({fmt_n(v['bytes_per_token'])} B/token): "
+            f"{fit} in {fmt_bytes(h['free_bytes'])} free at {h['free_at']}"
+        )
+    s['extraction'] = (
+        f"~{fmt_secs(e['seconds'])}: {fmt_n(e['tokens'])} forward tokens ({'+'.join(e['modes'])}) on {e['nodes']} node(s) at {fmt_n(p['extract_tok_s'])} tok/s"
+    )
+    s['extraction through vLLM'] = (
+        f"~{fmt_secs(e['engine_seconds'])} at {fmt_n(p['extract_engine_tok_s'])} tok/s per TP-8 node (`--engine vllm`)"
+    )
+    s['training'] = (
+        f"~{fmt_secs(tr['seconds'])}: {fmt_n(tr['epochs'])} epochs of {fmt_n(tr['train_tokens'])} tokens on {tr['gpus']} GPUs "
+        f"at {fmt_n(p['train_tok_s'])} tok/s each; max_steps {fmt_n(tr['steps_for_epochs'])} for that "
+        f"(the recipe's {fmt_n(tr['max_steps'])} make {fmt_n(tr['epochs_of_max_steps'])} epochs)"
+    )
     return s
 
 # %% ../nbs/90_plan.ipynb #ac75e929
-def plan_facts(r,                  # recipe YAML path, or a resolved `Recipe`
-               version:int=None,   # the document's version (`next_plan_path` picks it)
-               recipe_path:str=None, # how the commands name the recipe; default the path given, else RECIPE
-               **params,           # `PlanParams` fields, over the recipe's `phases.plan`
-              )->dict:
+def plan_facts(
+    r,  # recipe YAML path, or a resolved `Recipe`
+    version: int = None,  # the document's version (`next_plan_path` picks it)
+    recipe_path: str = None,  # how the commands name the recipe; default the path given, else RECIPE
+    **params,  # `PlanParams` fields, over the recipe's `phases.plan`
+) -> dict:
     "Everything the train plan states, computed"
-    if not isinstance(r, Recipe): recipe_path, r = recipe_path or str(r), load_recipe(r)
+    if not isinstance(r, Recipe):
+        recipe_path, r = recipe_path or str(r), load_recipe(r)
     p = plan_params(r, **params)
     dims, cat, gen = target_dims(r, p), phase_params(r, 'catalog'), phase_params(r, 'generate')
     parts = partitions(r, cat, gen)
-    g, st, have = _groups(r, p, {**cat, 'max_ctx': parts['main']['ctx'], 'long_ctx': parts['long']['ctx']}, gen['kinds'])
+    g, st, have = _groups(
+        r, p, {**cat, 'max_ctx': parts['main']['ctx'], 'long_ctx': parts['long']['ctx']}, gen['kinds']
+    )
     g = _add_generation(g, p, parts, gen)
     kept = g.part != 'excluded'
     hid = _hidden(r, p, dims, int(g.extract_tokens.sum()), int(g.samples[kept].sum()))
     ext, train = _times(r, p, hid)
-    f = dict(recipe=r.name, recipe_path=recipe_path or 'RECIPE', version=version, date=f'{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC',
-             run_id=p.run_id or f'{r.name}-v{version or 1}', data_root=r.data_root, catalog=r.catalog,
-             target=dict(model=r.target.model, toy=r.target.toy, served_name=r.target.served_name, endpoints=r.target.endpoints,
-                         thinking=r.target.thinking, **dims),
-             params=asdict(p), phases=dict(catalog=cat, generate=gen, extract=phase_params(r, 'extract'),
-                                           vocab=phase_params(r, 'vocab'), merge=phase_params(r, 'merge'), train=phase_params(r, 'train')),
-             datasets=_dataset_rows(r, g, st, have), partitions=_partition_rows(g, parts),
-             generation=_generation(g, p, parts, gen), hidden=hid, extract=ext, train=train)
+    f = dict(
+        recipe=r.name,
+        recipe_path=recipe_path or 'RECIPE',
+        version=version,
+        date=f'{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC',
+        run_id=p.run_id or f'{r.name}-v{version or 1}',
+        data_root=r.data_root,
+        catalog=r.catalog,
+        target=dict(
+            model=r.target.model,
+            toy=r.target.toy,
+            served_name=r.target.served_name,
+            endpoints=r.target.endpoints,
+            thinking=r.target.thinking,
+            **dims,
+        ),
+        params=asdict(p),
+        phases=dict(
+            catalog=cat,
+            generate=gen,
+            extract=phase_params(r, 'extract'),
+            vocab=phase_params(r, 'vocab'),
+            merge=phase_params(r, 'merge'),
+            train=phase_params(r, 'train'),
+        ),
+        datasets=_dataset_rows(r, g, st, have),
+        partitions=_partition_rows(g, parts),
+        generation=_generation(g, p, parts, gen),
+        hidden=hid,
+        extract=ext,
+        train=train,
+    )
     f['commands'] = commands(r, f)
     f['summary'] = summary(f)
     return f
 
 # %% ../nbs/90_plan.ipynb #84303139
-_DS_COLS = dict(name='dataset', format='format', kind='kind', license='license', count='recipe count', source='source',
-                samples='samples', conversations='conversations', prompt_only='prompt-only')
-_TOK_COLS = dict(name='dataset', tokens='tokens', mean='mean', p50='p50', p90='p90', max='max', supervised='supervised',
-                 generated='generated', response_tokens='+ responses', extract_tokens='to extract')
+_DS_COLS = dict(
+    name='dataset',
+    format='format',
+    kind='kind',
+    license='license',
+    count='recipe count',
+    source='source',
+    samples='samples',
+    conversations='conversations',
+    prompt_only='prompt-only',
+)
+_TOK_COLS = dict(
+    name='dataset',
+    tokens='tokens',
+    mean='mean',
+    p50='p50',
+    p90='p90',
+    max='max',
+    supervised='supervised',
+    generated='generated',
+    response_tokens='+ responses',
+    extract_tokens='to extract',
+)
 _PART_COLS = dict(name='dataset', main='main', long='long', excluded='excluded', unpartitioned='not partitioned yet')
 
-def _sec_data(f:dict)->list:
+
+def _sec_data(f: dict) -> list:
     ds = f['datasets']
-    tot = lambda cols: dict(name='**total**', **{k: sum(d[k] or 0 for d in ds) if any(d[k] is not None for d in ds) else None for k in cols})
-    return ['## Datasets', "`source`: catalog = SQL over the catalog's samples; estimate = recipe count x the stated mean (see Assumptions).",
-            md_table(ds, _DS_COLS), '## Token statistics',
-            'Tokens per sample as rendered (total_tokens); supervised = tokens under the loss mask; generated = samples the '
-            'generate phase answers; + responses = their assumed response tokens; to extract = tokens that reach the hidden-state store.',
-            md_table(ds + [tot(['tokens', 'supervised', 'generated', 'response_tokens', 'extract_tokens'])], _TOK_COLS),
-            '## Partitions', md_table(ds + [tot(['main', 'long', 'excluded', 'unpartitioned'])], _PART_COLS),
-            md_table(f['partitions'], dict(partition='partition', ctx='context', concurrency='concurrency', samples='samples',
-                                           tokens='tokens', generated='generated', extract_tokens='to extract'))]
+    tot = lambda cols: dict(
+        name='**total**', **{k: sum(d[k] or 0 for d in ds) if any(d[k] is not None for d in ds) else None for k in cols}
+    )
+    return [
+        '## Datasets',
+        "`source`: catalog = SQL over the catalog's samples; estimate = recipe count x the stated mean (see Assumptions).",
+        md_table(ds, _DS_COLS),
+        '## Token statistics',
+        'Tokens per sample as rendered (total_tokens); supervised = tokens under the loss mask; generated = samples the '
+        'generate phase answers; + responses = their assumed response tokens; to extract = tokens that reach the hidden-state store.',
+        md_table(ds + [tot(['tokens', 'supervised', 'generated', 'response_tokens', 'extract_tokens'])], _TOK_COLS),
+        '## Partitions',
+        md_table(ds + [tot(['main', 'long', 'excluded', 'unpartitioned'])], _PART_COLS),
+        md_table(
+            f['partitions'],
+            dict(
+                partition='partition',
+                ctx='context',
+                concurrency='concurrency',
+                samples='samples',
+                tokens='tokens',
+                generated='generated',
+                extract_tokens='to extract',
+            ),
+        ),
+    ]
 
 # %% ../nbs/90_plan.ipynb #452d8d05
-def _sec_cost(f:dict)->list:
+def _sec_cost(f: dict) -> list:
     g, h, e, t, p = f['generation'], f['hidden'], f['extract'], f['train'], f['params']
     gp = [dict(partition=k, **v) for k, v in g['partitions'].items()]
-    hm = [dict(mode=m, planned=v['planned'], bytes_per_token=v['bytes_per_token'], bytes=fmt_bytes(v['bytes']),
-               bytes_per_sample=fmt_bytes(v['bytes_per_sample']), fit='yes' if v['fits'] else '**does not fit**') for m, v in h['modes'].items()]
-    return ['## Generation',
-            f"Kinds {g['kinds']} in mode `{g['mode']}`, max_new_tokens {g['max_new_tokens'] or 'ctx - prompt'}. Estimated time "
-            f"**{fmt_secs(g['seconds'])}** for {fmt_n(g['response_tokens'])} response tokens at {fmt_n(g['gen_tok_s'])} tok/s "
-            'for the whole fleet; both partitions run at once, and the long one at its own concurrency.',
-            md_table(gp, dict(partition='partition', samples='samples', prompt_tokens='prompt tokens', response_tokens='response tokens',
-                              ctx='context', concurrency='concurrency', source='context and concurrency from')),
-            '## Hidden states on disk',
-            f"{fmt_n(h['tokens'])} tokens x bytes per token (`eagle3nb.store.bytes_per_token`: H={f['target']['hidden_size']}, "
-            f"{len(f['target']['aux_layers'])} aux layers, compact top-{h['topk']} over a {fmt_n(h['draft_vocab'])}-token draft vocabulary). "
-            f"Free: {fmt_bytes(h['free_bytes'])} at `{h['free_at']}`; a mode fits when its bytes x {p['disk_margin']} do. "
-            f"The recipe extracts {'+'.join(h['planned'])}: {fmt_bytes(h['need_bytes'])}, " + ('fits.' if h['fits'] else '**does not fit**.'),
-            md_table(hm, dict(mode='mode', planned='extracted by the recipe', bytes_per_token='bytes/token', bytes='bytes',
-                              bytes_per_sample='bytes/sample', fit='fits')),
-            '## Extraction',
-            f"One forward per mode over every stored token: {fmt_n(e['tokens'])} tokens on {e['nodes']} node(s) at "
-            f"{fmt_n(p['extract_tok_s'])} tok/s per node: **{fmt_secs(e['seconds'])}**.",
-            f"Through the engine (`eagle3nb extract RECIPE --engine vllm` against `vllm serve` at TP 8 with the "
-            f"`extract_hidden_states` speculative method and the hidden-states connector, the commands below): one prefill "
-            f"request per sample, **{fmt_secs(e['engine_seconds'])}** at an assumed {fmt_n(p['extract_engine_tok_s'])} tok/s per node. "
-            "The assumption, not a measurement: Kimi-K2.5 has 32B active parameters, ~64 GFLOP per prefill token; eight "
-            "H200s at 40% of their 989 dense bf16 TFLOP/s bound a node near 50k tok/s, and we take 30% of that for INT4 experts, "
-            f"long-context attention and the connector's writes. The spool then takes {len(f['target']['aux_layers']) + 1} x H x 2 B "
-            f"= {fmt_bytes((len(f['target']['aux_layers']) + 1) * f['target']['hidden_size'] * 2)} per token "
-            f"({fmt_bytes((len(f['target']['aux_layers']) + 1) * f['target']['hidden_size'] * 2 * p['extract_engine_tok_s'])}/s written "
-            "and read back at that rate), deleted as each shard lands.",
-            '## Training',
-            f"{fmt_n(t['train_tokens'])} train tokens ({fmt_n(t['train_samples'])} samples; eval_fraction {t['eval_fraction']}) x "
-            f"{fmt_n(t['epochs'])} epochs / ({fmt_n(p['train_tok_s'])} tok/s x {t['gpus']} GPUs): **{fmt_secs(t['seconds'])}**. "
-            f"With batch_size {t['batch_size']} per GPU, {fmt_n(t['epochs'])} epochs are max_steps {fmt_n(t['steps_for_epochs'])}; "
-            f"the recipe's max_steps {fmt_n(t['max_steps'])} make {fmt_n(t['epochs_of_max_steps'])} epochs."]
+    hm = [
+        dict(
+            mode=m,
+            planned=v['planned'],
+            bytes_per_token=v['bytes_per_token'],
+            bytes=fmt_bytes(v['bytes']),
+            bytes_per_sample=fmt_bytes(v['bytes_per_sample']),
+            fit='yes' if v['fits'] else '**does not fit**',
+        )
+        for m, v in h['modes'].items()
+    ]
+    return [
+        '## Generation',
+        f"Kinds {g['kinds']} in mode `{g['mode']}`, max_new_tokens {g['max_new_tokens'] or 'ctx - prompt'}. Estimated time "
+        f"**{fmt_secs(g['seconds'])}** for {fmt_n(g['response_tokens'])} response tokens at {fmt_n(g['gen_tok_s'])} tok/s "
+        'for the whole fleet; both partitions run at once, and the long one at its own concurrency.',
+        md_table(
+            gp,
+            dict(
+                partition='partition',
+                samples='samples',
+                prompt_tokens='prompt tokens',
+                response_tokens='response tokens',
+                ctx='context',
+                concurrency='concurrency',
+                source='context and concurrency from',
+            ),
+        ),
+        '## Hidden states on disk',
+        f"{fmt_n(h['tokens'])} tokens x bytes per token (`eagle3nb.store.bytes_per_token`: H={f['target']['hidden_size']}, "
+        f"{len(f['target']['aux_layers'])} aux layers, compact top-{h['topk']} over a {fmt_n(h['draft_vocab'])}-token draft vocabulary). "
+        f"Free: {fmt_bytes(h['free_bytes'])} at `{h['free_at']}`; a mode fits when its bytes x {p['disk_margin']} do. "
+        f"The recipe extracts {'+'.join(h['planned'])}: {fmt_bytes(h['need_bytes'])}, "
+        + ('fits.' if h['fits'] else '**does not fit**.'),
+        md_table(
+            hm,
+            dict(
+                mode='mode',
+                planned='extracted by the recipe',
+                bytes_per_token='bytes/token',
+                bytes='bytes',
+                bytes_per_sample='bytes/sample',
+                fit='fits',
+            ),
+        ),
+        '## Extraction',
+        f"One forward per mode over every stored token: {fmt_n(e['tokens'])} tokens on {e['nodes']} node(s) at "
+        f"{fmt_n(p['extract_tok_s'])} tok/s per node: **{fmt_secs(e['seconds'])}**.",
+        f"Through the engine (`eagle3nb extract RECIPE --engine vllm` against `vllm serve` at TP 8 with the "
+        f"`extract_hidden_states` speculative method and the hidden-states connector, the commands below): one prefill "
+        f"request per sample, **{fmt_secs(e['engine_seconds'])}** at an assumed {fmt_n(p['extract_engine_tok_s'])} tok/s per node. "
+        "The assumption, not a measurement: Kimi-K2.5 has 32B active parameters, ~64 GFLOP per prefill token; eight "
+        "H200s at 40% of their 989 dense bf16 TFLOP/s bound a node near 50k tok/s, and we take 30% of that for INT4 experts, "
+        f"long-context attention and the connector's writes. The spool then takes {len(f['target']['aux_layers']) + 1} x H x 2 B "
+        f"= {fmt_bytes((len(f['target']['aux_layers']) + 1) * f['target']['hidden_size'] * 2)} per token "
+        f"({fmt_bytes((len(f['target']['aux_layers']) + 1) * f['target']['hidden_size'] * 2 * p['extract_engine_tok_s'])}/s written "
+        "and read back at that rate), deleted as each shard lands.",
+        '## Training',
+        f"{fmt_n(t['train_tokens'])} train tokens ({fmt_n(t['train_samples'])} samples; eval_fraction {t['eval_fraction']}) x "
+        f"{fmt_n(t['epochs'])} epochs / ({fmt_n(p['train_tok_s'])} tok/s x {t['gpus']} GPUs): **{fmt_secs(t['seconds'])}**. "
+        f"With batch_size {t['batch_size']} per GPU, {fmt_n(t['epochs'])} epochs are max_steps {fmt_n(t['steps_for_epochs'])}; "
+        f"the recipe's max_steps {fmt_n(t['max_steps'])} make {fmt_n(t['epochs_of_max_steps'])} epochs.",
+    ]
 
 # %% ../nbs/90_plan.ipynb #1630f2a0
-def _param_docs()->dict:
+def _param_docs() -> dict:
     "PlanParams field -> its help text"
     return {x.name: x.metadata['help'] for x in fields(PlanParams)}
 
-def _sec_assumptions(f:dict)->list:
+
+def _sec_assumptions(f: dict) -> list:
     docs = _param_docs()
-    rows = [dict(name=f'`{k}`', value=json.dumps(v) if isinstance(v, (dict, str)) else fmt_n(v), why=docs.get(k, '')) for k, v in f['params'].items()]
+    rows = [
+        dict(name=f'`{k}`', value=json.dumps(v) if isinstance(v, (dict, str)) else fmt_n(v), why=docs.get(k, ''))
+        for k, v in f['params'].items()
+    ]
     ph = [dict(name=f'`phases.{k}`', value=json.dumps(v)) for k, v in f['phases'].items()]
     t = f['target']
-    return ['## Assumptions', f"Target dimensions from {t['dims_from']}. Plan parameters (recipe `phases.plan`, else defaults):",
-            md_table(rows, dict(name='parameter', value='value', why='meaning')),
-            'Phase parameters as the phases will run them (notebook defaults, then the recipe):',
-            md_table(ph, dict(name='phase', value='parameters'))]
+    return [
+        '## Assumptions',
+        f"Target dimensions from {t['dims_from']}. Plan parameters (recipe `phases.plan`, else defaults):",
+        md_table(rows, dict(name='parameter', value='value', why='meaning')),
+        'Phase parameters as the phases will run them (notebook defaults, then the recipe):',
+        md_table(ph, dict(name='phase', value='parameters')),
+    ]
 
 # %% ../nbs/90_plan.ipynb #7e0a7b36
-def plan_markdown(f:dict)->str:
+def plan_markdown(f: dict) -> str:
     "The train plan document of facts `f`"
     t = f['target']
-    head = [f"# Train plan v{f['version'] or '?'}: {f['recipe']}", f"Written {f['date']} by `eagle3nb plan` from `{f['recipe_path']}`; "
-            f"data root `{f['data_root']}`, catalog `{f['catalog']}`.", '## Summary',
-            md_table([dict(k=k, v=v) for k, v in f['summary'].items()], dict(k='', v='')),
-            '## Target', f"`{t['model'] or t['toy']}` (served as `{t['served_name'] or 'whatever the server reports'}`, "
-            f"thinking {'on' if t['thinking'] else 'off'}; endpoints {', '.join(t['endpoints']) or 'none: a local server'}). "
-            f"H = {t['hidden_size']}, {t['num_hidden_layers']} layers, vocabulary {fmt_n(t['vocab_size'])}. "
-            f"Aux layers {t['aux_layers']} (input-of-layer ids, vLLM convention; SGLang's eagle_aux_hidden_state_layer_ids are "
-            f"{[a - 1 for a in t['aux_layers']]}); the draft's fc takes {len(t['aux_layers'])} x {t['hidden_size']} = **{t['fc_in']}** inputs."]
-    cmds = ['## Commands', f"In run order; `RUN` = `{f['run_id']}` keeps every record in `papermill_runs/{f['run_id']}/`."]
-    for ph, what, lines in f['commands']: cmds += [f'**{ph}**: {what}', '```bash\n' + '\n'.join(lines) + '\n```']
+    head = [
+        f"# Train plan v{f['version'] or '?'}: {f['recipe']}",
+        f"Written {f['date']} by `eagle3nb plan` from `{f['recipe_path']}`; "
+        f"data root `{f['data_root']}`, catalog `{f['catalog']}`.",
+        '## Summary',
+        md_table([dict(k=k, v=v) for k, v in f['summary'].items()], dict(k='', v='')),
+        '## Target',
+        f"`{t['model'] or t['toy']}` (served as `{t['served_name'] or 'whatever the server reports'}`, "
+        f"thinking {'on' if t['thinking'] else 'off'}; endpoints {', '.join(t['endpoints']) or 'none: a local server'}). "
+        f"H = {t['hidden_size']}, {t['num_hidden_layers']} layers, vocabulary {fmt_n(t['vocab_size'])}. "
+        f"Aux layers {t['aux_layers']} (input-of-layer ids, vLLM convention; SGLang's eagle_aux_hidden_state_layer_ids are "
+        f"{[a - 1 for a in t['aux_layers']]}); the draft's fc takes {len(t['aux_layers'])} x {t['hidden_size']} = **{t['fc_in']}** inputs.",
+    ]
+    cmds = [
+        '## Commands',
+        f"In run order; `RUN` = `{f['run_id']}` keeps every record in `papermill_runs/{f['run_id']}/`.",
+    ]
+    for ph, what, lines in f['commands']:
+        cmds += [f'**{ph}**: {what}', '```bash\n' + '\n'.join(lines) + '\n```']
     return '\n\n'.join(head + _sec_data(f) + _sec_cost(f) + _sec_assumptions(f) + cmds) + '\n'
 
 # %% ../nbs/90_plan.ipynb #472677d1
 _PLAN_RE = re.compile(r'train_plan_v(\d+)\.md')
 
-def plan_version(path)->int:
+
+def plan_version(path) -> int:
     "N of `.../train_plan_vN.md`"
     m = _PLAN_RE.fullmatch(Path(path).name)
-    if not m: raise ValueError(f"{path} is not a train_plan_vN.md file")
+    if not m:
+        raise ValueError(f"{path} is not a train_plan_vN.md file")
     return int(m[1])
 
-def next_plan_path(out_dir)->Path:
+
+def next_plan_path(out_dir) -> Path:
     "`train_plan_v{N+1}.md` in `out_dir` after the highest existing vN (v1 when there is none)"
     ns = [plan_version(p) for p in Path(out_dir).glob('train_plan_v*.md') if _PLAN_RE.fullmatch(p.name)]
-    return Path(out_dir)/f'train_plan_v{max(ns, default=0) + 1}.md'
+    return Path(out_dir) / f'train_plan_v{max(ns, default=0) + 1}.md'
 
 # %% ../nbs/90_plan.ipynb #a2e448a2
 import tempfile
 
-def write_plan(recipe,              # recipe YAML path, or a resolved `Recipe`
-               out_dir=None,        # default plans/<recipe name>/
-               return_facts:bool=False, # also return the facts dict
-               recipe_path:str=None,  # how the commands name the recipe; default the path given
-               **params,            # `PlanParams` fields, over the recipe's `phases.plan`
-              ):                    # the new file's path (and the facts)
+
+def write_plan(
+    recipe,  # recipe YAML path, or a resolved `Recipe`
+    out_dir=None,  # default plans/<recipe name>/
+    return_facts: bool = False,  # also return the facts dict
+    recipe_path: str = None,  # how the commands name the recipe; default the path given
+    **params,  # `PlanParams` fields, over the recipe's `phases.plan`
+):  # the new file's path (and the facts)
     "Write the next `train_plan_vN.md`; never overwrites an existing version"
     r = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     rp = recipe_path or (None if isinstance(recipe, Recipe) else str(recipe))
-    out = Path(out_dir or Path('plans')/r.name); out.mkdir(parents=True, exist_ok=True)
+    out = Path(out_dir or Path('plans') / r.name)
+    out.mkdir(parents=True, exist_ok=True)
     while True:
         path = next_plan_path(out)
         f = plan_facts(r, version=plan_version(path), recipe_path=rp, **params)
         fd, tmp = tempfile.mkstemp(prefix=f'.{path.name}.tmp-', dir=out)  # a fresh name: never a user's file
         tmp = Path(tmp)
         os.fchmod(fd, 0o644)
-        with open(fd, 'w', encoding='utf-8') as fh: fh.write(plan_markdown(f))
-        try: os.link(tmp, path)   # fails if `path` exists: never replaces a plan
-        except FileExistsError: continue
-        finally: tmp.unlink()
+        with open(fd, 'w', encoding='utf-8') as fh:
+            fh.write(plan_markdown(f))
+        try:
+            os.link(tmp, path)  # fails if `path` exists: never replaces a plan
+        except FileExistsError:
+            continue
+        finally:
+            tmp.unlink()
         return (path, f) if return_facts else path
 
 # %% ../nbs/90_plan.ipynb #a70faa93
-def plan_cli(recipe:str,   # recipe YAML file
-             out:str=None, # folder of the plan versions; default plans/<recipe name>/
-             **params,     # `PlanParams` fields, over the recipe's `phases.plan`
-            )->Path:       # the new plan
+def plan_cli(
+    recipe: str,  # recipe YAML file
+    out: str = None,  # folder of the plan versions; default plans/<recipe name>/
+    **params,  # `PlanParams` fields, over the recipe's `phases.plan`
+) -> Path:  # the new plan
     "`eagle3nb plan RECIPE`: write the next train_plan_vN.md and print its summary"
     path, f = write_plan(recipe, out, return_facts=True, **params)
     print(f'wrote {path}')
     w = max(map(len, f['summary']))
-    for k, v in f['summary'].items(): print(f"{k:<{w}}  {v.replace('**', '')}")
+    for k, v in f['summary'].items():
+        print(f"{k:<{w}}  {v.replace('**', '')}")
     return path
 
 # %% ../nbs/90_plan.ipynb #3307ca50
-def plot_tokens(f:dict, ax=None):
+def plot_tokens(f: dict, ax=None):
     "Tokens per dataset, as rendered and as they reach the hidden-state store"
     rows = f['datasets'] or [dict(name='(no datasets)', tokens=0, extract_tokens=0)]
-    df = pd.DataFrame(rows).set_index('name')[['tokens', 'extract_tokens']].rename(
-        columns=dict(tokens='rendered', extract_tokens='to extract (with responses)'))
-    ax = (df / 1e6).plot.barh(ax=ax, figsize=(7, 0.35*len(df) + 1.2))
-    ax.set(xlabel='million tokens', ylabel='', title=f"{f['recipe']}: tokens per dataset"); ax.invert_yaxis()
+    df = (
+        pd.DataFrame(rows)
+        .set_index('name')[['tokens', 'extract_tokens']]
+        .rename(columns=dict(tokens='rendered', extract_tokens='to extract (with responses)'))
+    )
+    ax = (df / 1e6).plot.barh(ax=ax, figsize=(7, 0.35 * len(df) + 1.2))
+    ax.set(xlabel='million tokens', ylabel='', title=f"{f['recipe']}: tokens per dataset")
+    ax.invert_yaxis()
     return ax
 
-def plot_disk(f:dict, ax=None):
+
+def plot_disk(f: dict, ax=None):
     "Hidden-state bytes per storage mode against free disk"
     h = f['hidden']
     s = pd.Series({m + (' (planned)' if v['planned'] else ''): v['bytes'] / 1e12 for m, v in h['modes'].items()})
-    ax = s.plot.barh(ax=ax, figsize=(6, 0.4*len(s) + 1.2), color=['C3' if v['bytes'] * f['params']['disk_margin'] > h['free_bytes'] else 'C0'
-                                                                   for v in h['modes'].values()])
+    ax = s.plot.barh(
+        ax=ax,
+        figsize=(6, 0.4 * len(s) + 1.2),
+        color=[
+            'C3' if v['bytes'] * f['params']['disk_margin'] > h['free_bytes'] else 'C0' for v in h['modes'].values()
+        ],
+    )
     ax.axvline(h['free_bytes'] / 1e12, ls='--', c='k', label=f"free at {h['free_at']}")
-    ax.set(xlabel='TB', title='hidden states on disk (red: does not fit)'); ax.legend(fontsize=8)
+    ax.set(xlabel='TB', title='hidden states on disk (red: does not fit)')
+    ax.legend(fontsize=8)
     return ax

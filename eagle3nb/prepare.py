@@ -21,249 +21,390 @@ from . import adapters, agent_adapters  # registers every format
 # %% ../nbs/13_prepare.ipynb #d7fad50d
 _BUILDERS = {'.json': 'json', '.jsonl': 'json', '.parquet': 'parquet'}
 
+
 class PrepareError(ValueError):
     "A dataset that cannot be prepared as asked (format, kind, files); the message says what to change"
 
-def _files(path:Path)->list:
+
+def _files(path: Path) -> list:
     "Data files under `path` (a file, or a folder of them)"
-    if path.is_file(): return [path]
+    if path.is_file():
+        return [path]
     fs = sorted(p for p in path.rglob('*') if p.is_file() and p.suffix in (*_BUILDERS, '.traj'))
-    if not fs: raise FileNotFoundError(f"{path}: no .json, .jsonl, .parquet or .traj files in this folder")
+    if not fs:
+        raise FileNotFoundError(f"{path}: no .json, .jsonl, .parquet or .traj files in this folder")
     return fs
+
 
 class BadRecord:
     "A raw record that does not parse: its file, line (None for a whole file), why, and the start of its text"
-    def __init__(self, file, line, reason:str, error:str='', text:bytes=b''):
-        self.file, self.line, self.reason, self.error, self.text = str(file), line, reason, error, text[:300].decode('utf-8', 'replace')
-    def where(self)->dict: return dict(file=self.file, line=self.line, error=self.error)
-    def __repr__(self): return f"BadRecord({self.file}:{self.line}: {self.reason})"
+
+    def __init__(self, file, line, reason: str, error: str = '', text: bytes = b''):
+        self.file, self.line, self.reason, self.error, self.text = (
+            str(file),
+            line,
+            reason,
+            error,
+            text[:300].decode('utf-8', 'replace'),
+        )
+
+    def where(self) -> dict:
+        return dict(file=self.file, line=self.line, error=self.error)
+
+    def __repr__(self):
+        return f"BadRecord({self.file}:{self.line}: {self.reason})"
 
 # %% ../nbs/13_prepare.ipynb #b2a6b886
-def _jerr(e)->str: return str(e).splitlines()[0][:120]
+def _jerr(e) -> str:
+    return str(e).splitlines()[0][:120]
 
-def _jsonl(f:Path):
+
+def _jsonl(f: Path):
     "Records of a JSON Lines file, one per non-empty line; a line that does not parse is a `BadRecord`"
     with open(f, 'rb') as fh:
         for k, b in enumerate(fh, 1):
-            if not b.strip(): continue
-            try: yield json.loads(b)
-            except (ValueError, RecursionError) as e: yield BadRecord(f, k, 'line is not valid JSON', _jerr(e), b)
+            if not b.strip():
+                continue
+            try:
+                yield json.loads(b)
+            except (ValueError, RecursionError) as e:
+                yield BadRecord(f, k, 'line is not valid JSON', _jerr(e), b)
 
-def _json(f:Path)->list:
+
+def _json(f: Path) -> list:
     "Records of a `.json` file: a list of records, or one record (an object); `PrepareError` if it does not parse"
-    try: v = json.loads(f.read_bytes())
+    try:
+        v = json.loads(f.read_bytes())
     except (ValueError, RecursionError) as e:
-        raise PrepareError(f"{f}: not valid JSON ({_jerr(e)}); a .json file holds one JSON list of records (name JSON lines .jsonl)") from None
+        raise PrepareError(
+            f"{f}: not valid JSON ({_jerr(e)}); a .json file holds one JSON list of records (name JSON lines .jsonl)"
+        ) from None
     return v if isinstance(v, list) else [v]
 
 # %% ../nbs/13_prepare.ipynb #192168a5
-def _traj(f:Path):
-    try: return json.loads(b := f.read_bytes())
-    except (ValueError, RecursionError) as e: return BadRecord(f, None, 'file is not valid JSON', _jerr(e), b)
+def _traj(f: Path):
+    try:
+        return json.loads(b := f.read_bytes())
+    except (ValueError, RecursionError) as e:
+        return BadRecord(f, None, 'file is not valid JSON', _jerr(e), b)
 
-def _pqfile(f:Path):
-    try: return pq.ParquetFile(f)
-    except Exception as e: raise PrepareError(f"{f}: not a readable parquet file ({type(e).__name__}: {_jerr(e)})") from None
 
-def _parquet(f:Path):
-    for b in _pqfile(f).iter_batches(batch_size=1024): yield from b.to_pylist()
+def _pqfile(f: Path):
+    try:
+        return pq.ParquetFile(f)
+    except Exception as e:
+        raise PrepareError(f"{f}: not a readable parquet file ({type(e).__name__}: {_jerr(e)})") from None
 
-def _count(f:Path)->int:
+
+def _parquet(f: Path):
+    for b in _pqfile(f).iter_batches(batch_size=1024):
+        yield from b.to_pylist()
+
+
+def _count(f: Path) -> int:
     "Records in file `f` (what `count` samples from)"
     if f.suffix == '.jsonl':
-        with open(f, 'rb') as fh: return sum(1 for b in fh if b.strip())
+        with open(f, 'rb') as fh:
+            return sum(1 for b in fh if b.strip())
     return 1 if f.suffix == '.traj' else _pqfile(f).metadata.num_rows
 
 # %% ../nbs/13_prepare.ipynb #e34c9529
-def _local(fs:list, loaded:dict):
+def _local(fs: list, loaded: dict):
     "Records of the files `fs`, in order (`loaded`: the `.json` files' records, already parsed)"
     for f in fs:
-        if f.suffix == '.traj': yield _traj(f)
-        elif f.suffix == '.parquet': yield from _parquet(f)
-        elif f.suffix == '.jsonl': yield from _jsonl(f)
-        else: yield from loaded[f]
+        if f.suffix == '.traj':
+            yield _traj(f)
+        elif f.suffix == '.parquet':
+            yield from _parquet(f)
+        elif f.suffix == '.jsonl':
+            yield from _jsonl(f)
+        else:
+            yield from loaded[f]
 
-def _hub_like(path)->bool: return bool(re.fullmatch(r'[\w.-]+/[\w.-]+', str(path))) and not str(path).startswith('.') and Path(path).suffix not in (*_BUILDERS, '.traj')
 
-def _hub(path, split:str):
-    if not _hub_like(path): raise FileNotFoundError(f"{path}: no such file or folder (give a .json, .jsonl, .parquet or .traj file or folder, or a hub id org/name)")
+def _hub_like(path) -> bool:
+    return (
+        bool(re.fullmatch(r'[\w.-]+/[\w.-]+', str(path)))
+        and not str(path).startswith('.')
+        and Path(path).suffix not in (*_BUILDERS, '.traj')
+    )
+
+
+def _hub(path, split: str):
+    if not _hub_like(path):
+        raise FileNotFoundError(
+            f"{path}: no such file or folder (give a .json, .jsonl, .parquet or .traj file or folder, or a hub id org/name)"
+        )
     try:
         from datasets import load_dataset
+
         return None, iter(load_dataset(str(path), split=split, streaming=True))
-    except Exception as e: raise PrepareError(f"{path}: no such local file or folder, and no hub dataset by that id could be read ({type(e).__name__}: {_jerr(e)})") from None
+    except Exception as e:
+        raise PrepareError(
+            f"{path}: no such local file or folder, and no hub dataset by that id could be read ({type(e).__name__}: {_jerr(e)})"
+        ) from None
 
 # %% ../nbs/13_prepare.ipynb #140374ab
-def read_records(path,              # local file or folder, or a hub dataset id
-                 split:str='train', # split, for hub datasets
-                ):                  # (number of records or None, iterator of records and `BadRecord`s)
+def read_records(
+    path,  # local file or folder, or a hub dataset id
+    split: str = 'train',  # split, for hub datasets
+):  # (number of records or None, iterator of records and `BadRecord`s)
     "The raw records of a dataset, in source order"
     p = Path(path)
-    if not p.exists(): return _hub(path, split)
+    if not p.exists():
+        return _hub(path, split)
     fs = _files(p)
     kinds = {'traj' if f.suffix == '.traj' else _BUILDERS.get(f.suffix) for f in fs}
-    if len(kinds) != 1 or None in kinds: raise PrepareError(f"{path}: mixes file types {sorted({f.suffix for f in fs})}; prepare one type per dataset")
+    if len(kinds) != 1 or None in kinds:
+        raise PrepareError(f"{path}: mixes file types {sorted({f.suffix for f in fs})}; prepare one type per dataset")
     loaded = {f: _json(f) for f in fs if f.suffix == '.json'}  # a .json file is parsed whole, once
     return sum(len(loaded[f]) if f in loaded else _count(f) for f in fs), _local(fs, loaded)
 
 # %% ../nbs/13_prepare.ipynb #fed38f66
-def choose(n:int|None, records, limit:int=None, count:int=None, seed:int=0):
+def choose(n: int | None, records, limit: int = None, count: int = None, seed: int = 0):
     "Yield `(source_index, record)`: a seeded sample of `count` records (the first `count` of a stream), at most `limit`"
-    keep = set(random.Random(seed).sample(range(n), count)) if count is not None and n is not None and count < n else None
-    if count is not None and keep is None: limit = count if limit is None else min(limit, count)
+    keep = (
+        set(random.Random(seed).sample(range(n), count)) if count is not None and n is not None and count < n else None
+    )
+    if count is not None and keep is None:
+        limit = count if limit is None else min(limit, count)
     k = 0
     for i, r in enumerate(records):
-        if keep is not None and i not in keep: continue
-        if limit is not None and k >= limit: return
-        k += 1; yield i, r
+        if keep is not None and i not in keep:
+            continue
+        if limit is not None and k >= limit:
+            return
+        k += 1
+        yield i, r
 
 # %% ../nbs/13_prepare.ipynb #ddb60830
-def convert(fmt:str, rec, dataset:str, index:int, kind:str=None,
-            special=(), # strings no text of the conversation may hold (`target.special_texts`)
-           ):
+def convert(
+    fmt: str,
+    rec,
+    dataset: str,
+    index: int,
+    kind: str = None,
+    special=(),  # strings no text of the conversation may hold (`target.special_texts`)
+):
     "`(conversation, None)` or `(None, reason)` for one raw record"
     f = get_adapter(fmt)
-    if isinstance(rec, BadRecord): return None, rec.reason
-    try: c = f(rec, dataset, index, kind or f.default_kind)
-    except Reject as e: return None, str(e) or 'rejected'
-    except Exception as e: return None, f'adapter error: {type(e).__name__}'
+    if isinstance(rec, BadRecord):
+        return None, rec.reason
+    try:
+        c = f(rec, dataset, index, kind or f.default_kind)
+    except Reject as e:
+        return None, str(e) or 'rejected'
+    except Exception as e:
+        return None, f'adapter error: {type(e).__name__}'
     why = special_text_problem(c, special)
     return (None, why) if why else (c, None)
 
-def get_adapter(fmt:str):
+
+def get_adapter(fmt: str):
     "The adapter registered for format `fmt`"
-    if fmt not in ADAPTERS: raise PrepareError(f"unknown format {fmt!r}; formats: {', '.join(sorted(k for k in ADAPTERS if not k.startswith('_')))}")
+    if fmt not in ADAPTERS:
+        raise PrepareError(
+            f"unknown format {fmt!r}; formats: {', '.join(sorted(k for k in ADAPTERS if not k.startswith('_')))}"
+        )
     return ADAPTERS[fmt]
 
 # %% ../nbs/13_prepare.ipynb #cc4f5338
-def _sha256_files(path:Path)->str:
+def _sha256_files(path: Path) -> str:
     "Hash of the bytes of every data file under `path` (the input's identity)"
     h = hashlib.sha256()
-    for f in ([path] if path.is_file() else _files(path)):
+    for f in [path] if path.is_file() else _files(path):
         h.update(f.name.encode())
         with open(f, 'rb') as fh:
-            for b in iter(lambda: fh.read(1 << 20), b''): h.update(b)
+            for b in iter(lambda: fh.read(1 << 20), b''):
+                h.update(b)
     return h.hexdigest()
+
 
 _SCHEMA = record_schema()
 
-def _write_shards(rows:list, d:Path, shard_rows:int)->list:
+
+def _write_shards(rows: list, d: Path, shard_rows: int) -> list:
     "Parquet shards of `rows` (none when there are no rows); returns their names"
     n = -(-len(rows) // shard_rows)
     names = [f'data-{i:05d}-of-{n:05d}.parquet' for i in range(n)]
     for i, name in enumerate(names):
-        pq.write_table(pa.Table.from_pylist(rows[i*shard_rows:(i+1)*shard_rows], schema=_SCHEMA), d/name)
+        pq.write_table(pa.Table.from_pylist(rows[i * shard_rows : (i + 1) * shard_rows], schema=_SCHEMA), d / name)
     return names
 
 # %% ../nbs/13_prepare.ipynb #de030579
-def prepare(path,                   # raw dataset: file, folder, or hub id
-            fmt:str,                # adapter name (see `ADAPTERS`)
-            name:str,               # dataset name: the output folder under `out`
-            out,                    # parent folder, e.g. data/<recipe>/prepared
-            limit:int=None,         # first N records only
-            count:int=None,         # seeded random sample of N records
-            seed:int=0,             # for `count`
-            kind:str=None,          # override the format's default kind (full, prompt_only, native)
-            license:str=None,       # set every conversation's license (where the format cannot know it)
-            shard_rows:int=50_000,  # conversations per parquet shard
-            force:bool=False,       # rebuild even when the manifest matches
-            progress:bool=True,
-            allow_empty:bool=False, # publish a dataset of which no record is kept (else `PrepareError`)
-            special=None,           # the target's special tokens (`target.special_texts(tok)`); None: every family's
-           )->dict:                 # the manifest
+def prepare(
+    path,  # raw dataset: file, folder, or hub id
+    fmt: str,  # adapter name (see `ADAPTERS`)
+    name: str,  # dataset name: the output folder under `out`
+    out,  # parent folder, e.g. data/<recipe>/prepared
+    limit: int = None,  # first N records only
+    count: int = None,  # seeded random sample of N records
+    seed: int = 0,  # for `count`
+    kind: str = None,  # override the format's default kind (full, prompt_only, native)
+    license: str = None,  # set every conversation's license (where the format cannot know it)
+    shard_rows: int = 50_000,  # conversations per parquet shard
+    force: bool = False,  # rebuild even when the manifest matches
+    progress: bool = True,
+    allow_empty: bool = False,  # publish a dataset of which no record is kept (else `PrepareError`)
+    special=None,  # the target's special tokens (`target.special_texts(tok)`); None: every family's
+) -> dict:  # the manifest
     "Convert a raw dataset into `out/name/`: parquet shards, manifest.json, rejects.jsonl"
-    get_adapter(fmt); one_name(name, 'dataset name')
-    if kind is not None and kind not in KINDS: raise PrepareError(f"kind {kind!r}: use one of {', '.join(KINDS)}")
+    get_adapter(fmt)
+    one_name(name, 'dataset name')
+    if kind is not None and kind not in KINDS:
+        raise PrepareError(f"kind {kind!r}: use one of {', '.join(KINDS)}")
     for k, v in dict(limit=limit, count=count).items():
-        if v is not None and v < 1: raise PrepareError(f"{k} {v}: give a positive number of records, or none to keep all")
-    src, dst = Path(path), claim_output(Path(out)/name, 'prepare')
+        if v is not None and v < 1:
+            raise PrepareError(f"{k} {v}: give a positive number of records, or none to keep all")
+    src, dst = Path(path), claim_output(Path(out) / name, 'prepare')
     sp = special_texts() if special is None else tuple(special)
-    params = dict(format=fmt, limit=limit, count=count, seed=seed, kind=kind, license=license, schema_version=SCHEMA_VERSION,
-                  input_sha256=_sha256_files(src) if src.exists() else str(path),
-                  special_sha256=hashlib.sha256('\n'.join(sorted(sp)).encode()).hexdigest())
-    if not force and (m := read_manifest(dst)) and m.get('params') == params: return m
-    t0 = time.time(); n, recs = read_records(path)
+    params = dict(
+        format=fmt,
+        limit=limit,
+        count=count,
+        seed=seed,
+        kind=kind,
+        license=license,
+        schema_version=SCHEMA_VERSION,
+        input_sha256=_sha256_files(src) if src.exists() else str(path),
+        special_sha256=hashlib.sha256('\n'.join(sorted(sp)).encode()).hexdigest(),
+    )
+    if not force and (m := read_manifest(dst)) and m.get('params') == params:
+        return m
+    t0 = time.time()
+    n, recs = read_records(path)
     rows, rejects, reasons, first = [], [], Counter(), []
-    for i, rec in tqdm(choose(n, recs, limit, count, seed), total=min(x for x in (n, limit, count) if x is not None) if n else None,
-                       desc=f'prepare {name}', unit='rec', disable=not progress):
+    for i, rec in tqdm(
+        choose(n, recs, limit, count, seed),
+        total=min(x for x in (n, limit, count) if x is not None) if n else None,
+        desc=f'prepare {name}',
+        unit='rec',
+        disable=not progress,
+    ):
         c, why = convert(fmt, rec, name, i, kind, sp)
-        if len(first) < 20 and not isinstance(rec, BadRecord): first.append(rec)
-        if c is not None: rows.append(to_record({**c, 'license': license or c['license']})); continue
+        if len(first) < 20 and not isinstance(rec, BadRecord):
+            first.append(rec)
+        if c is not None:
+            rows.append(to_record({**c, 'license': license or c['license']}))
+            continue
         reasons[why] += 1
-        rejects.append(dict(index=i, reason=why, excerpt=rec.text if isinstance(rec, BadRecord) else json.dumps(rec, ensure_ascii=False, default=str)[:300],
-                            **(rec.where() if isinstance(rec, BadRecord) else {})))
-    if not rows and not allow_empty: raise PrepareError(_nothing_kept(path, fmt, kind, len(rejects), reasons, first))
+        rejects.append(
+            dict(
+                index=i,
+                reason=why,
+                excerpt=rec.text
+                if isinstance(rec, BadRecord)
+                else json.dumps(rec, ensure_ascii=False, default=str)[:300],
+                **(rec.where() if isinstance(rec, BadRecord) else {}),
+            )
+        )
+    if not rows and not allow_empty:
+        raise PrepareError(_nothing_kept(path, fmt, kind, len(rejects), reasons, first))
     return _publish(dst, rows, rejects, reasons, params, src, t0, shard_rows)
 
 # %% ../nbs/13_prepare.ipynb #188ec129
-def sniff(recs:list, not_fmt:str=None)->str:
+def sniff(recs: list, not_fmt: str = None) -> str:
     "What raw records `recs` look like: the formats that convert most of them, else their keys"
     fmts = [f for f in sorted(ADAPTERS) if not f.startswith('_') and f != not_fmt]
     n = {f: sum(convert(f, r, 'sniff', i)[0] is not None for i, r in enumerate(recs)) for f in fmts}
     best = max(n.values(), default=0)
-    if best: return f"the records look like {' or '.join(f for f in fmts if n[f] == best)} ({best} of the first {len(recs)} convert with that --format)"
+    if best:
+        return f"the records look like {' or '.join(f for f in fmts if n[f] == best)} ({best} of the first {len(recs)} convert with that --format)"
     keys = sorted({k for r in recs if isinstance(r, dict) for k in r})
     return f"no format reads them; their keys are {', '.join(keys)[:200]}" if keys else "no format reads them"
 
-def _nothing_kept(path, fmt, kind, n, reasons, first)->str:
-    if not n: return f"{path}: no records in this input (an empty file?)"
+
+def _nothing_kept(path, fmt, kind, n, reasons, first) -> str:
+    if not n:
+        return f"{path}: no records in this input (an empty file?)"
     why = '; '.join(f'{r} x{k}' for r, k in reasons.most_common(2))
     hint = sniff(first, fmt) if first else 'no record parses as JSON: is this a JSON (lines) or parquet file?'
     return f"{path}: no record kept with --format {fmt}{f' --kind {kind}' if kind else ''} ({n} read, all rejected: {why}); {hint}"
 
 # %% ../nbs/13_prepare.ipynb #d9423fac
-def _publish(dst:Path, rows, rejects, reasons, params, src, t0, shard_rows)->dict:
+def _publish(dst: Path, rows, rejects, reasons, params, src, t0, shard_rows) -> dict:
     "Write shards, rejects and manifest to a fresh temp folder and publish it at `dst` (see `recipe.publishing`)"
     with publishing(dst, 'prepare') as tmp:
         m = _write_prepared(tmp, dst.name, rows, rejects, reasons, params, src, t0, shard_rows)
     return m
 
-def _write_prepared(tmp:Path, name:str, rows, rejects, reasons, params, src, t0, shard_rows)->dict:
+
+def _write_prepared(tmp: Path, name: str, rows, rejects, reasons, params, src, t0, shard_rows) -> dict:
     "Write shards, rejects and manifest of dataset `name` into folder `tmp`; return the manifest"
     shards = _write_shards(rows, tmp, shard_rows)
-    with open(tmp/'rejects.jsonl', 'w') as f:
-        for r in rejects: f.write(json.dumps(r, ensure_ascii=False) + '\n')
-    h = hashlib.sha256(''.join(r['sample_id'] + json.dumps(r['messages'], ensure_ascii=False) for r in rows).encode()).hexdigest()
-    secs = time.time() - t0; read = len(rows) + len(rejects)
-    m = dict(name=name, source=str(src), params=params, schema_version=SCHEMA_VERSION, read=read, kept=len(rows),
-             rejected=len(rejects), reject_reasons=dict(reasons.most_common()), kinds=dict(Counter(r['kind'] for r in rows)),
-             content_sha256=h, shards=shards, seconds=round(secs, 3), records_per_s=round(read / max(secs, 1e-9), 1))
-    (tmp/'manifest.json').write_text(json.dumps(m, indent=1))
+    with open(tmp / 'rejects.jsonl', 'w') as f:
+        for r in rejects:
+            f.write(json.dumps(r, ensure_ascii=False) + '\n')
+    h = hashlib.sha256(
+        ''.join(r['sample_id'] + json.dumps(r['messages'], ensure_ascii=False) for r in rows).encode()
+    ).hexdigest()
+    secs = time.time() - t0
+    read = len(rows) + len(rejects)
+    m = dict(
+        name=name,
+        source=str(src),
+        params=params,
+        schema_version=SCHEMA_VERSION,
+        read=read,
+        kept=len(rows),
+        rejected=len(rejects),
+        reject_reasons=dict(reasons.most_common()),
+        kinds=dict(Counter(r['kind'] for r in rows)),
+        content_sha256=h,
+        shards=shards,
+        seconds=round(secs, 3),
+        records_per_s=round(read / max(secs, 1e-9), 1),
+    )
+    (tmp / 'manifest.json').write_text(json.dumps(m, indent=1))
     return m
+
 
 _AGAIN = "the prepared dataset is damaged (a copy cut short?): run `eagle3nb prepare` for it again with --force"
 
-def read_manifest(d)->dict|None:
+
+def read_manifest(d) -> dict | None:
     "The manifest of a prepared directory, None if it is not complete"
     from eagle3nb.recipe import read_json
-    p = Path(d)/'manifest.json'
+
+    p = Path(d) / 'manifest.json'
     return read_json(p, _AGAIN) if p.exists() else None
 
 # %% ../nbs/13_prepare.ipynb #66180e6f
-def _check_layout(d, m:dict, t): # prepared directory, its manifest, a shard as a pyarrow.Table
+def _check_layout(d, m: dict, t):  # prepared directory, its manifest, a shard as a pyarrow.Table
     "`t` if it has the current layout; `PrepareError` that says to re-run prepare if not"
     v = m.get('schema_version', 1)
     if v != SCHEMA_VERSION or t.schema.field('messages').type != _SCHEMA.field('messages').type:
-        raise PrepareError(f"{d}: prepared by an older eagle3nb (schema version {v}: messages and tools as JSON text); "
-                           f"run `eagle3nb prepare` for this dataset again to rewrite it as nested records (schema version {SCHEMA_VERSION})")
+        raise PrepareError(
+            f"{d}: prepared by an older eagle3nb (schema version {v}: messages and tools as JSON text); "
+            f"run `eagle3nb prepare` for this dataset again to rewrite it as nested records (schema version {SCHEMA_VERSION})"
+        )
     return t
 
 # %% ../nbs/13_prepare.ipynb #644c6465
-def _read_shard(f:Path)->pa.Table:
+def _read_shard(f: Path) -> pa.Table:
     "One parquet shard of a prepared dataset; `BadFile` naming it when it is damaged"
     from eagle3nb.recipe import bad_file
-    try: return pq.read_table(f)
-    except pa.ArrowException as e: raise bad_file(f, e, _AGAIN, 'parquet') from None
+
+    try:
+        return pq.read_table(f)
+    except pa.ArrowException as e:
+        raise bad_file(f, e, _AGAIN, 'parquet') from None
+
 
 def load_prepared(d):
     "A prepared directory as an HF `Dataset` of rows in `record_schema` (nested messages and tools)"
     from datasets import Dataset
+
     m = read_manifest(d)
-    if m is None: raise FileNotFoundError(f"{d}: no manifest.json; run `eagle3nb prepare` for this dataset first")
-    ts = [_check_layout(d, m, _read_shard(Path(d)/s)) for s in m['shards']]
+    if m is None:
+        raise FileNotFoundError(f"{d}: no manifest.json; run `eagle3nb prepare` for this dataset first")
+    ts = [_check_layout(d, m, _read_shard(Path(d) / s)) for s in m['shards']]
     t = pa.concat_tables(ts) if ts else _check_layout(d, m, _SCHEMA.empty_table())
     return Dataset(t)  # in memory: no copy into the datasets cache
 
-def conversations(d, n:int=None):
+
+def conversations(d, n: int = None):
     "The first `n` (default all) conversations of a prepared directory, as dicts"
     ds = load_prepared(d)
-    for i in range(len(ds) if n is None else min(n, len(ds))): yield from_record(ds[i])
+    for i in range(len(ds) if n is None else min(n, len(ds))):
+        yield from_record(ds[i])

@@ -20,82 +20,105 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 class RecipeError(ValueError):
     "A recipe that cannot be used; the message names the file and the key"
 
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra='forbid')
 
 # %% ../nbs/00_recipe.ipynb #5bed0f1e
-def one_name(name:str,        # the name, as the user gave it
-             what:str='name', # what it is, for the message (`--run-id`, `datasets[0].name`)
-            )->str:
+def one_name(
+    name: str,  # the name, as the user gave it
+    what: str = 'name',  # what it is, for the message (`--run-id`, `datasets[0].name`)
+) -> str:
     "`name` if it is one path component (not empty, no `/` or `\\`, not `.` or `..`); else `ValueError` naming `what`"
-    if not isinstance(name, str) or not name.strip() or name in ('.', '..') or '/' in name or '\\' in name or name != name.strip():
+    if (
+        not isinstance(name, str)
+        or not name.strip()
+        or name in ('.', '..')
+        or '/' in name
+        or '\\' in name
+        or name != name.strip()
+    ):
         raise ValueError(f"{what} {name!r}: must be one folder name (not empty, not '.' or '..', no '/')")
     return name
 
 # %% ../nbs/00_recipe.ipynb #fb89200a
 class Target(_Strict):
     "The model we train a draft for, and where it is served"
-    model: str|None = None          # model directory (HF layout: config.json, tokenizer, weights)
-    toy: str|None = None            # build this offline toy target (kimi-tiny, qwen3-tiny) into `model`
-    served_name: str|None = None    # model id the endpoints list; default: whatever the local server reports
-    endpoints: list[str] = []       # OpenAI-compatible base URLs (.../v1); empty: launch a local server
-    api_key_env: str|None = None    # name of the environment variable holding the endpoints' API key
-    thinking: bool = True           # render prompts with thinking on (`thinking` / `enable_thinking`)
-    aux_layers: list[int]|None = None  # input-of-layer ids (vLLM convention); default [2, N//2, N-3]
-    engine: Literal['vllm', 'transformers']|None = None  # who serves the target when no endpoints are listed; None: vLLM when installed, else transformers
-    served_here: bool = False       # set by the runner: `endpoints` is the plain server it started for this run
+
+    model: str | None = None  # model directory (HF layout: config.json, tokenizer, weights)
+    toy: str | None = None  # build this offline toy target (kimi-tiny, qwen3-tiny) into `model`
+    served_name: str | None = None  # model id the endpoints list; default: whatever the local server reports
+    endpoints: list[str] = []  # OpenAI-compatible base URLs (.../v1); empty: launch a local server
+    api_key_env: str | None = None  # name of the environment variable holding the endpoints' API key
+    thinking: bool = True  # render prompts with thinking on (`thinking` / `enable_thinking`)
+    aux_layers: list[int] | None = None  # input-of-layer ids (vLLM convention); default [2, N//2, N-3]
+    engine: Literal['vllm', 'transformers'] | None = (
+        None  # who serves the target when no endpoints are listed; None: vLLM when installed, else transformers
+    )
+    served_here: bool = False  # set by the runner: `endpoints` is the plain server it started for this run
 
     @model_validator(mode='after')
     def _model_or_toy(self):
-        if not (self.model or self.toy): raise ValueError("give `model` (a model directory) or `toy` (kimi-tiny, qwen3-tiny)")
+        if not (self.model or self.toy):
+            raise ValueError("give `model` (a model directory) or `toy` (kimi-tiny, qwen3-tiny)")
         return self
 
     @field_validator('endpoints')
     @classmethod
     def _urls(cls, v):
         for u in v:
-            if not u.startswith(('http://', 'https://')): raise ValueError(f"{u!r} is not an http(s) base URL such as http://host:30000/v1")
+            if not u.startswith(('http://', 'https://')):
+                raise ValueError(f"{u!r} is not an http(s) base URL such as http://host:30000/v1")
         return v
 
 # %% ../nbs/00_recipe.ipynb #ec9384f8
 class Dataset(_Strict):
     "One raw dataset to prepare"
-    name: str                       # directory name under prepared/; unique in the recipe
-    format: str                     # adapter name (sharegpt, openai, alpaca, ...)
-    path: str                       # local file or directory (json, jsonl, parquet)
-    count: int|None = None          # sample this many records (seeded); None keeps all
-    kind: str|None = None           # full, prompt_only or native; None: the format's default
-    license: str|None = None        # the dataset's license, where the format cannot know it
+
+    name: str  # directory name under prepared/; unique in the recipe
+    format: str  # adapter name (sharegpt, openai, alpaca, ...)
+    path: str  # local file or directory (json, jsonl, parquet)
+    count: int | None = None  # sample this many records (seeded); None keeps all
+    kind: str | None = None  # full, prompt_only or native; None: the format's default
+    license: str | None = None  # the dataset's license, where the format cannot know it
 
     @field_validator('name')
     @classmethod
-    def _name(cls, v): return one_name(v, 'dataset name')
+    def _name(cls, v):
+        return one_name(v, 'dataset name')
 
     @field_validator('count')
     @classmethod
     def _count(cls, v):
-        if v is not None and v < 1: raise ValueError(f"{v}: give a positive number of records, or leave count out to keep all")
+        if v is not None and v < 1:
+            raise ValueError(f"{v}: give a positive number of records, or leave count out to keep all")
         return v
 
     @field_validator('kind')
     @classmethod
     def _kind(cls, v):
-        if v is not None and v not in ('full', 'prompt_only', 'native'): raise ValueError(f"{v!r}: use full, prompt_only or native")
+        if v is not None and v not in ('full', 'prompt_only', 'native'):
+            raise ValueError(f"{v!r}: use full, prompt_only or native")
         return v
+
 
 class Recipe(_Strict):
     "A whole run: target, datasets, per-phase parameters, data root"
-    name: str                       # run family name; data goes to data/<name>/ by default
+
+    name: str  # run family name; data goes to data/<name>/ by default
     target: Target
     datasets: list[Dataset] = []
-    phases: dict[str, dict] = {}    # phase name (e.g. target_check) -> parameters for its notebook
-    data_root: str|None = None      # default data/<name>/
-    catalog: str = 'data_catalog/catalog.duckdb'  # DuckDB catalog of every sample; give recipes with different targets their own
+    phases: dict[str, dict] = {}  # phase name (e.g. target_check) -> parameters for its notebook
+    data_root: str | None = None  # default data/<name>/
+    catalog: str = (
+        'data_catalog/catalog.duckdb'  # DuckDB catalog of every sample; give recipes with different targets their own
+    )
     seed: int = 0
 
     @field_validator('name')
     @classmethod
-    def _name(cls, v): return one_name(v, 'recipe name')
+    def _name(cls, v):
+        return one_name(v, 'recipe name')
 
 # %% ../nbs/00_recipe.ipynb #17399958
 def _key(loc):
@@ -105,209 +128,273 @@ def _key(loc):
         s += f'[{p}]' if isinstance(p, int) else (f'.{p}' if s else str(p))
     return s or '(top level)'
 
+
 _SECRET_WORDS = ('api_key', 'apikey', 'token', 'secret', 'password')
 
-def _explain(e:dict)->str:
+
+def _explain(e: dict) -> str:
     "One line for one pydantic error"
     key, typ = _key(e['loc']), e['type']
     last = str(e['loc'][-1]) if e['loc'] else ''
     if typ == 'extra_forbidden' and any(w in last.lower() for w in _SECRET_WORDS):
         return f"{key}: secrets never go in a recipe; export the key in an environment variable and name it in target.api_key_env"
-    if typ == 'extra_forbidden': return f"{key}: unknown key (check its spelling against the recipe schema)"
-    if typ == 'missing': return f"{key}: required key is missing"
+    if typ == 'extra_forbidden':
+        return f"{key}: unknown key (check its spelling against the recipe schema)"
+    if typ == 'missing':
+        return f"{key}: required key is missing"
     return f"{key}: {e['msg'].removeprefix('Value error, ')}"
 
 # %% ../nbs/00_recipe.ipynb #3d3e87aa
-def parse_recipe(d:dict,              # the YAML document as a dict
-                 source:str='recipe', # file name, for messages
-                )->Recipe:
+def parse_recipe(
+    d: dict,  # the YAML document as a dict
+    source: str = 'recipe',  # file name, for messages
+) -> Recipe:
     "Validate a recipe dict; `RecipeError` lists every bad key"
-    if not isinstance(d, dict): raise RecipeError(f"{source}: a recipe is a YAML mapping (name:, target:, ...), got {type(d).__name__}")
-    try: r = Recipe.model_validate(d)
+    if not isinstance(d, dict):
+        raise RecipeError(f"{source}: a recipe is a YAML mapping (name:, target:, ...), got {type(d).__name__}")
+    try:
+        r = Recipe.model_validate(d)
     except ValidationError as ve:
         raise RecipeError(f"{source}: " + '; '.join(_explain(e) for e in ve.errors())) from None
     names = [ds.name for ds in r.datasets]
     dup = sorted({n for n in names if names.count(n) > 1})
-    if dup: raise RecipeError(f"{source}: datasets[].name must be unique; repeated: {', '.join(dup)}")
+    if dup:
+        raise RecipeError(f"{source}: datasets[].name must be unique; repeated: {', '.join(dup)}")
     return r
 
 # %% ../nbs/00_recipe.ipynb #88434951
 class BadFile(ValueError):
     "A user's file that does not parse as what it should hold; the message names the file, the line and what to do"
 
-def _line_of(data:bytes, pos:int)->int: return data[:pos].count(b'\n') + 1
 
-def bad_file(path,                     # the file that did not parse
-             e:Exception,              # the parser's error: JSON, YAML, UTF-8, or a reader's (safetensors, Arrow)
-             hint:str='fix or replace it',  # what to do, for the message
-             kind:str='readable',      # what the file should be when `e` is no text parser's, e.g. 'safetensors'
-            )->BadFile:
+def _line_of(data: bytes, pos: int) -> int:
+    return data[:pos].count(b'\n') + 1
+
+
+def bad_file(
+    path,  # the file that did not parse
+    e: Exception,  # the parser's error: JSON, YAML, UTF-8, or a reader's (safetensors, Arrow)
+    hint: str = 'fix or replace it',  # what to do, for the message
+    kind: str = 'readable',  # what the file should be when `e` is no text parser's, e.g. 'safetensors'
+) -> BadFile:
     "`BadFile` saying `PATH: not valid JSON (line L): what the parser said; hint`"
     line = None
     if isinstance(e, UnicodeDecodeError):
         kind, line = 'UTF-8', _line_of(e.object, e.start)
         why = f"byte 0x{e.object[e.start]:02x} ({e.reason})"
-    elif isinstance(e, json.JSONDecodeError): kind, line, why = 'JSON', e.lineno, e.msg
+    elif isinstance(e, json.JSONDecodeError):
+        kind, line, why = 'JSON', e.lineno, e.msg
     elif isinstance(e, yaml.YAMLError):
         mark = getattr(e, 'problem_mark', None)
         kind, line = 'YAML', mark.line + 1 if mark else None
         why = getattr(e, 'problem', None) or str(e).splitlines()[0]
-    else: why = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+    else:
+        why = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
     at = f" (line {line})" if line else ''
     return BadFile(f"{path}: not valid {kind}{at}: {why}; {hint}")
 
-def read_text(path,                        # a text file a user gave or a verb wrote
-              hint:str='fix or replace it', # what to do when it is not UTF-8
-             )->str:
+
+def read_text(
+    path,  # a text file a user gave or a verb wrote
+    hint: str = 'fix or replace it',  # what to do when it is not UTF-8
+) -> str:
     "`path`'s text, or `BadFile` naming it and the line when it is not UTF-8"
     b = Path(path).read_bytes()
-    try: return b.decode('utf-8-sig')
-    except UnicodeDecodeError as e: raise bad_file(path, e, hint) from None
+    try:
+        return b.decode('utf-8-sig')
+    except UnicodeDecodeError as e:
+        raise bad_file(path, e, hint) from None
 
-def read_json(path,                        # a JSON file a user gave or a verb wrote
-              hint:str='fix or replace it', # what to do when it does not parse
-             ):
+
+def read_json(
+    path,  # a JSON file a user gave or a verb wrote
+    hint: str = 'fix or replace it',  # what to do when it does not parse
+):
     "The JSON value in file `path`, or `BadFile` naming it and the line when it is not UTF-8 or not JSON"
-    try: return json.loads(read_text(path, hint))
-    except json.JSONDecodeError as e: raise bad_file(path, e, hint) from None
+    try:
+        return json.loads(read_text(path, hint))
+    except json.JSONDecodeError as e:
+        raise bad_file(path, e, hint) from None
 
 # %% ../nbs/00_recipe.ipynb #a383ab54
-WEIGHTS_HINT = ("the model's weights are truncated or damaged (a download or copy cut short?): "
-                "download or copy them again")
+WEIGHTS_HINT = (
+    "the model's weights are truncated or damaged (a download or copy cut short?): download or copy them again"
+)
 
-def open_safetensors(path,                      # a .safetensors file
-                     hint:str='fix or replace it', # what to do when it does not open
-                    ):
+
+def open_safetensors(
+    path,  # a .safetensors file
+    hint: str = 'fix or replace it',  # what to do when it does not open
+):
     "`safe_open` of `path` (torch tensors); `BadFile` naming it when it is truncated or damaged"
     from safetensors import safe_open, SafetensorError
-    try: return safe_open(str(path), framework='pt')
-    except SafetensorError as e: raise bad_file(path, e, hint, 'safetensors') from None
 
-def check_weights(model_dir,              # a model folder
-                  hint:str=WEIGHTS_HINT,  # what to do when a file does not open
-                 ):
+    try:
+        return safe_open(str(path), framework='pt')
+    except SafetensorError as e:
+        raise bad_file(path, e, hint, 'safetensors') from None
+
+
+def check_weights(
+    model_dir,  # a model folder
+    hint: str = WEIGHTS_HINT,  # what to do when a file does not open
+):
     "`BadFile` naming the first `*.safetensors` of `model_dir` that does not open; None when all do"
     for f in sorted(Path(model_dir).glob('*.safetensors')):
-        with open_safetensors(f, hint): pass
+        with open_safetensors(f, hint):
+            pass
 
 # %% ../nbs/00_recipe.ipynb #583d66a5
 class DuplicateKey(yaml.constructor.ConstructorError):
     "A YAML mapping that repeats a key (YAML would keep the last value silently)"
-    def __str__(self): return f"{self.problem} (line {self.problem_mark.line + 1})"
+
+    def __str__(self):
+        return f"{self.problem} (line {self.problem_mark.line + 1})"
+
 
 class UniqueKeyLoader(yaml.SafeLoader):
     "`yaml.SafeLoader` that refuses a key written twice in one mapping"
+
     def construct_mapping(self, node, deep=False):
         seen = {}
         for k, _ in node.value if isinstance(node, yaml.MappingNode) else []:
-            if k.tag == 'tag:yaml.org,2002:merge': continue  # keys a merge brings in may be overridden
+            if k.tag == 'tag:yaml.org,2002:merge':
+                continue  # keys a merge brings in may be overridden
             key = self.construct_object(k, deep=True)
-            try: first = seen.get(key)
-            except TypeError: continue  # an unhashable key: SafeLoader refuses it itself
+            try:
+                first = seen.get(key)
+            except TypeError:
+                continue  # an unhashable key: SafeLoader refuses it itself
             if first:
-                msg = (f"duplicate key {key!r}, first at line {first}: "
-                       "YAML would keep only the last value; write it once")
+                msg = (
+                    f"duplicate key {key!r}, first at line {first}: YAML would keep only the last value; write it once"
+                )
                 raise DuplicateKey(problem=msg, problem_mark=k.start_mark)
             seen[key] = k.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
 
-def load_yaml(text:str): # the YAML document
+
+def load_yaml(text: str):  # the YAML document
     "`yaml.safe_load(text)`, refusing a key written twice in one mapping (`DuplicateKey`)"
     return yaml.load(text, Loader=UniqueKeyLoader)
 
 # %% ../nbs/00_recipe.ipynb #e5b3ace6
-def load_recipe(path, # recipe YAML file
-                base=None, # directory relative paths are resolved against; default the current directory
-               )->Recipe:
+def load_recipe(
+    path,  # recipe YAML file
+    base=None,  # directory relative paths are resolved against; default the current directory
+) -> Recipe:
     "Read, validate and resolve a recipe file"
     path = Path(path)
-    if not path.exists(): raise RecipeError(f"{path}: no such recipe file")
-    try: d = load_yaml(read_text(path, 'save the recipe as UTF-8 text'))
-    except BadFile as e: raise RecipeError(str(e)) from None
-    except yaml.YAMLError as e: raise RecipeError(str(bad_file(path, e, 'fix the YAML at that line'))) from None
+    if not path.exists():
+        raise RecipeError(f"{path}: no such recipe file")
+    try:
+        d = load_yaml(read_text(path, 'save the recipe as UTF-8 text'))
+    except BadFile as e:
+        raise RecipeError(str(e)) from None
+    except yaml.YAMLError as e:
+        raise RecipeError(str(bad_file(path, e, 'fix the YAML at that line'))) from None
     return resolve(parse_recipe(d, str(path)), base)
 
-def resolve(r:Recipe, base=None)->Recipe:
+
+def resolve(r: Recipe, base=None) -> Recipe:
     "A copy of `r` with the model, dataset and data-root paths made absolute"
     base = Path(base or os.getcwd()).resolve()
-    ab = lambda p: str((base/p).resolve()) if p else p
+    ab = lambda p: str((base / p).resolve()) if p else p
     r = r.model_copy(deep=True)
     r.data_root = ab(r.data_root or f'data/{r.name}')
     r.catalog = ab(r.catalog)
     r.target.model = ab(r.target.model)
-    for ds in r.datasets: ds.path = ab(ds.path)
+    for ds in r.datasets:
+        ds.path = ab(ds.path)
     return r
 
 # %% ../nbs/00_recipe.ipynb #d383f547
-def api_key(r:Recipe)->str:
+def api_key(r: Recipe) -> str:
     "The endpoints' API key, read from the environment variable named by `target.api_key_env`"
     var = r.target.api_key_env
-    if not var: return 'EMPTY'
-    if not os.environ.get(var): raise RecipeError(f"target.api_key_env names ${var}, which is not set; export {var}=<key> before running")
+    if not var:
+        return 'EMPTY'
+    if not os.environ.get(var):
+        raise RecipeError(f"target.api_key_env names ${var}, which is not set; export {var}=<key> before running")
     return os.environ[var]
 
 # %% ../nbs/00_recipe.ipynb #c0427f96
-def _umask()->int:
+def _umask() -> int:
     "This process's umask (set and put back at once)"
     m = os.umask(0o022)
     os.umask(m)
     return m
 
-def _real(path)->Path:
+
+def _real(path) -> Path:
     "Where `path` really is: a link's final target (which may not exist yet), else `path` itself"
     p = Path(path)
     return Path(os.path.realpath(p)) if p.is_symlink() else p
 
+
 @contextlib.contextmanager
-def atomic_write(path,         # the file to write; a link is written through, at its target
-                 mode:str='w', # 'w' for text (UTF-8), 'wb' for bytes
-                ):
+def atomic_write(
+    path,  # the file to write; a link is written through, at its target
+    mode: str = 'w',  # 'w' for text (UTF-8), 'wb' for bytes
+):
     "An open file under a fresh temp name beside `path`; it replaces `path` when the block ends without error"
     real = _real(path)
     real.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f'.{real.name}.tmp-', dir=real.parent)
     try:
         os.fchmod(fd, 0o666 & ~_umask())
-        with open(fd, mode, encoding=None if 'b' in mode else 'utf-8') as f: yield f
+        with open(fd, mode, encoding=None if 'b' in mode else 'utf-8') as f:
+            yield f
         os.replace(tmp, real)
     finally:
-        if os.path.lexists(tmp): os.unlink(tmp)
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
 
 # %% ../nbs/00_recipe.ipynb #d2b8542d
-def recipe_dict(r:Recipe)->dict:
+def recipe_dict(r: Recipe) -> dict:
     "Plain dict of `r` (what the YAML would hold)"
     return r.model_dump(mode='json')
 
-def save_recipe(r:Recipe, path)->Path:
+
+def save_recipe(r: Recipe, path) -> Path:
     "Write `r` as YAML atomically"
-    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_write(path) as f: f.write(yaml.safe_dump(recipe_dict(r), sort_keys=False))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write(path) as f:
+        f.write(yaml.safe_dump(recipe_dict(r), sort_keys=False))
     return path
 
-def fingerprint(obj)->str:
+
+def fingerprint(obj) -> str:
     "Short stable hash of a JSON-able object"
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 # %% ../nbs/00_recipe.ipynb #7fc77fd8
-def default_aux_layers(n_layers:int)->list[int]:
+def default_aux_layers(n_layers: int) -> list[int]:
     "EAGLE-3's default target layers `[2, N//2, N-3]` (input-of-layer ids)"
     if n_layers < 7:
-        raise RecipeError(f"a target with {n_layers} layers has no three distinct default aux layers; "
-                          "set target.aux_layers")
-    return [2, n_layers//2, n_layers-3]
+        raise RecipeError(
+            f"a target with {n_layers} layers has no three distinct default aux layers; set target.aux_layers"
+        )
+    return [2, n_layers // 2, n_layers - 3]
 
 # %% ../nbs/00_recipe.ipynb #896e9667
-def aux_rule(n_layers:int=None, # the target's decoder layers; None: not known here
-            )->str:
+def aux_rule(
+    n_layers: int = None,  # the target's decoder layers; None: not known here
+) -> str:
     "The one valid range of aux layer ids, in the words every check uses"
     top, of = (n_layers - 1, f' of this {n_layers}-layer target') if n_layers else ('N-1', ' (N: the target\'s layers)')
-    return (f"aux layers are 3 strictly increasing input-of-layer ids from 1 to {top}{of}: vLLM's numbering; "
-            f"SGLang's ids are one less, and 1 to {top} is what both engines can capture")
+    return (
+        f"aux layers are 3 strictly increasing input-of-layer ids from 1 to {top}{of}: vLLM's numbering; "
+        f"SGLang's ids are one less, and 1 to {top} is what both engines can capture"
+    )
 
-def check_aux_layers(aux,                      # the ids as given (list of int)
-                     n_layers:int=None,        # the target's decoder layers; None checks all but the top of the range
-                     what:str='target.aux_layers', # the key or option that gave them, for the message
-                    )->list[int]:
+
+def check_aux_layers(
+    aux,  # the ids as given (list of int)
+    n_layers: int = None,  # the target's decoder layers; None checks all but the top of the range
+    what: str = 'target.aux_layers',  # the key or option that gave them, for the message
+) -> list[int]:
     "`aux` as a list of ints if it follows `aux_rule`; else `RecipeError` naming `what`, the bad id and the range"
     if not isinstance(aux, (list, tuple)) or any(isinstance(k, bool) or not isinstance(k, int) for k in aux):
         raise RecipeError(f"{what} {aux!r}: not a list of integers; {aux_rule(n_layers)}")
@@ -316,69 +403,99 @@ def check_aux_layers(aux,                      # the ids as given (list of int)
     down = [(a, b) for a, b in zip(aux, aux[1:]) if b < a]
     low = [k for k in aux if k < 1]
     high = [k for k in aux if n_layers and k > n_layers - 1]
-    why = (f"{len(aux)} ids, not 3" if len(aux) != 3 else f"{rep[0]} repeats" if rep else
-           f"not increasing ({down[0][0]} before {down[0][1]})" if down else
-           f"{low[0]} is below 1 (id 0 is the embeddings, which SGLang cannot capture)" if low else
-           f"{high[0]} is beyond the target's {n_layers} layers" if high else None)
-    if why: raise RecipeError(f"{what} {aux}: {why}; {aux_rule(n_layers)}")
+    why = (
+        f"{len(aux)} ids, not 3"
+        if len(aux) != 3
+        else f"{rep[0]} repeats"
+        if rep
+        else f"not increasing ({down[0][0]} before {down[0][1]})"
+        if down
+        else f"{low[0]} is below 1 (id 0 is the embeddings, which SGLang cannot capture)"
+        if low
+        else f"{high[0]} is beyond the target's {n_layers} layers"
+        if high
+        else None
+    )
+    if why:
+        raise RecipeError(f"{what} {aux}: {why}; {aux_rule(n_layers)}")
     return aux
 
 # %% ../nbs/00_recipe.ipynb #2e6905bd
 MARKER = '.eagle3nb-output.json'  # written into every output folder: what wrote it, and when
 
-def mark_output(d,                # the output folder
-                verb:str,         # the verb that wrote it
-                stamp:bool=True,  # also the time, host and process; a reproducible build (a toy) leaves them out
-               )->Path:
+
+def mark_output(
+    d,  # the output folder
+    verb: str,  # the verb that wrote it
+    stamp: bool = True,  # also the time, host and process; a reproducible build (a toy) leaves them out
+) -> Path:
     "Leave the marker that says `verb` of this eagle3nb (this process, now) wrote folder `d`"
     from eagle3nb import __version__
+
     info = dict(verb=verb, eagle3nb=__version__)
-    if stamp: info.update(time=time.strftime('%Y-%m-%dT%H:%M:%S%z'), host=socket.gethostname(), pid=os.getpid())
-    p = Path(d)/MARKER
+    if stamp:
+        info.update(time=time.strftime('%Y-%m-%dT%H:%M:%S%z'), host=socket.gethostname(), pid=os.getpid())
+    p = Path(d) / MARKER
     p.write_text(json.dumps(info) + '\n')
     return p
 
-def read_marker(d)->dict:
+
+def read_marker(d) -> dict:
     "The marker of folder `d`, {} when it has none (or one that is not ours)"
-    try: m = json.loads((Path(d)/MARKER).read_text())
-    except (OSError, ValueError): return {}
+    try:
+        m = json.loads((Path(d) / MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
     return m if isinstance(m, dict) and isinstance(m.get('verb'), str) else {}
 
 # %% ../nbs/00_recipe.ipynb #1b8c2a4e
-def claim_output(path,     # the folder the verb is about to write (or replace); a link is judged by its target
-                 verb:str, # the verb, e.g. `export`: only its marker makes the folder its own
-                )->Path:   # `path`
+def claim_output(
+    path,  # the folder the verb is about to write (or replace); a link is judged by its target
+    verb: str,  # the verb, e.g. `export`: only its marker makes the folder its own
+) -> Path:  # `path`
     "`path` if `verb` may write it: absent, an empty folder, or one holding `verb`'s marker; else `FileExistsError`"
     p = Path(path)
     real = _real(p)
     at = f"{p} (a link to {real})" if real != p else str(p)
-    if not real.exists(): return p
+    if not real.exists():
+        return p
     if not real.is_dir():
-        raise FileExistsError(f"{at} is a file, not a folder: {verb} writes a folder there and never replaces a file; "
-                              "give another path")
-    if not any(real.iterdir()) or read_marker(real).get('verb') == verb: return p
+        raise FileExistsError(
+            f"{at} is a file, not a folder: {verb} writes a folder there and never replaces a file; give another path"
+        )
+    if not any(real.iterdir()) or read_marker(real).get('verb') == verb:
+        return p
     other = read_marker(real).get('verb')
     why = f"it holds {other}'s output" if other else f"no {MARKER} of {verb} in it"
-    raise FileExistsError(f"{at} holds files that {verb} did not write ({why}); it is never replaced: "
-                          "give a new or empty "
-                          "folder (an output of an older eagle3nb: remove it yourself)")
+    raise FileExistsError(
+        f"{at} holds files that {verb} did not write ({why}); it is never replaced: "
+        "give a new or empty "
+        "folder (an output of an older eagle3nb: remove it yourself)"
+    )
 
 # %% ../nbs/00_recipe.ipynb #7b28ad6a
-def _stale(t:Path, verb:str)->bool:
+def _stale(t: Path, verb: str) -> bool:
     "Is `t` a temp folder that `verb` made in a process of this host that is gone?"
     m = read_marker(t)
-    if m.get('verb') != verb or m.get('host') != socket.gethostname(): return False
+    if m.get('verb') != verb or m.get('host') != socket.gethostname():
+        return False
     pid = m.get('pid')
-    if not isinstance(pid, int) or pid == os.getpid(): return False
-    try: os.kill(pid, 0)
-    except ProcessLookupError: return True
-    except OSError: return False  # alive, someone else's
+    if not isinstance(pid, int) or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # alive, someone else's
     return False
 
-def remove_stale(folder,        # where to look
-                 verb:str,      # only temp folders carrying this verb's marker
-                 name:str=None, # only those of the output of this name; default any
-                )->list:        # the folders removed
+
+def remove_stale(
+    folder,  # where to look
+    verb: str,  # only temp folders carrying this verb's marker
+    name: str = None,  # only those of the output of this name; default any
+) -> list:  # the folders removed
     "Remove the temp folders in `folder` that `verb` made in a process of this host that is gone (a killed run's)"
     # mkdtemp's names: never a user's
     pattern = re.compile(rf'\.{re.escape(name) if name else ".+"}\.tmp-[a-z0-9_]{{8}}')
@@ -389,9 +506,11 @@ def remove_stale(folder,        # where to look
             gone.append(t)
     return gone
 
-def output_temp(dst,      # where the output is published (a link: at its target)
-                verb:str, # the verb writing it; its marker goes in at once
-               )->Path:   # a new folder holding only the marker
+
+def output_temp(
+    dst,  # where the output is published (a link: at its target)
+    verb: str,  # the verb writing it; its marker goes in at once
+) -> Path:  # a new folder holding only the marker
     "A fresh temp folder beside `dst`, marked as `verb`'s; ones `verb` left there in a killed run are removed"
     real = _real(dst)
     real.parent.mkdir(parents=True, exist_ok=True)
@@ -401,10 +520,12 @@ def output_temp(dst,      # where the output is published (a link: at its target
     mark_output(tmp, verb)
     return tmp
 
-def publish_output(tmp,      # the finished temp folder (`output_temp`)
-                   dst,      # where it goes; at a link, its target
-                   verb:str, # the verb: what is at `dst` is replaced only while it is `verb`'s own
-                  )->Path:   # `dst`
+
+def publish_output(
+    tmp,  # the finished temp folder (`output_temp`)
+    dst,  # where it goes; at a link, its target
+    verb: str,  # the verb: what is at `dst` is replaced only while it is `verb`'s own
+) -> Path:  # `dst`
     "Rename the finished `tmp` to `dst`, replacing `verb`'s own output there; nothing else is removed"
     claim_output(dst, verb)  # once more: a long run's output place may have changed meanwhile
     real = _real(dst)
@@ -414,34 +535,42 @@ def publish_output(tmp,      # the finished temp folder (`output_temp`)
     old = Path(tempfile.mkdtemp(prefix=f'.{real.name}.old-', dir=real.parent))
     # onto the empty folder just made; the previous output stays whole until the new one is in place
     os.rename(real, old)
-    try: os.rename(tmp, real)
+    try:
+        os.rename(tmp, real)
     except OSError:
         os.rename(old, real)
         raise
     shutil.rmtree(old, ignore_errors=True)  # the verb's previous output, moved there a moment ago
     return Path(dst)
 
+
 @contextlib.contextmanager
-def publishing(dst,      # the output folder (absent, empty or `verb`'s own; a link: at its target)
-               verb:str, # the verb writing it
-              ):
-    ("A fresh temp folder to write `verb`'s output in, published at `dst` when the block ends without error, "
-     "else removed")
+def publishing(
+    dst,  # the output folder (absent, empty or `verb`'s own; a link: at its target)
+    verb: str,  # the verb writing it
+):
+    "A fresh temp folder to write `verb`'s output in, published at `dst` when the block ends without error, else removed"
     tmp = output_temp(dst, verb)
     try:
         yield tmp
         publish_output(tmp, dst, verb)
-    finally: shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 # %% ../nbs/00_recipe.ipynb #91d8b699
-def model_dir(path,                  # a model folder in the Hugging Face layout
-              what:str='--target',   # the option or key that named it, for the message
-             )->Path:
+def model_dir(
+    path,  # a model folder in the Hugging Face layout
+    what: str = '--target',  # the option or key that named it, for the message
+) -> Path:
     "`path` if it is a folder with a `config.json`; else `FileNotFoundError` naming `what`"
     p = Path(path)
-    if not p.is_dir(): raise FileNotFoundError(f"{what}: {p} is no model folder (none is there; give a Hugging Face layout folder with config.json)")
-    if not (p/'config.json').exists(): raise FileNotFoundError(f"{what}: {p} has no config.json; is it the model folder?")
+    if not p.is_dir():
+        raise FileNotFoundError(
+            f"{what}: {p} is no model folder (none is there; give a Hugging Face layout folder with config.json)"
+        )
+    if not (p / 'config.json').exists():
+        raise FileNotFoundError(f"{what}: {p} has no config.json; is it the model folder?")
     for f in ('config.json', 'tokenizer_config.json'):
-        if (p/f).is_file():
-            read_json(p/f, f"{what} names a model folder whose {f} is damaged: restore it from the model's source")
+        if (p / f).is_file():
+            read_json(p / f, f"{what} names a model folder whose {f} is damaged: restore it from the model's source")
     return p

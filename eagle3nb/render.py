@@ -19,278 +19,426 @@ from .schema import from_record, sample_id as _sample_id
 from .target import FAMILY_TOKENS, template_family
 
 # %% ../nbs/20_render.ipynb #498cdfc6
-def _js(a)->str:
+def _js(a) -> str:
     "Arguments as the templates' `tojson` writes them (a string stays as it is)"
     return a if isinstance(a, str) else json.dumps(a, ensure_ascii=False)
 
-def template_messages(messages:list, # canonical messages
-                      family:str=None, # template family (see `target.template_family`)
-                      thinking:bool=True, # keep reasoning
-                     )->list:
+
+def template_messages(
+    messages: list,  # canonical messages
+    family: str = None,  # template family (see `target.template_family`)
+    thinking: bool = True,  # keep reasoning
+) -> list:
     "Messages fit for the chat template: no `None` fields, reasoning only when thinking, DeepSeek's string arguments"
     out = []
     for m in messages:
         m = {k: v for k, v in m.items() if v is not None and not (k == 'reasoning_content' and not thinking)}
         if family == 'deepseek' and m.get('tool_calls'):
-            m['tool_calls'] = [{**c, 'function': {**c['function'], 'arguments': _js(c['function']['arguments'])}} for c in m['tool_calls']]
+            m['tool_calls'] = [
+                {**c, 'function': {**c['function'], 'arguments': _js(c['function']['arguments'])}}
+                for c in m['tool_calls']
+            ]
         out.append(m)
     return out
 
 # %% ../nbs/20_render.ipynb #1b24df22
 from functools import lru_cache
-try: from transformers.utils.chat_template_utils import _alias_reasoning_fields, _compile_jinja_template
-except ImportError: _compile_jinja_template = None
-try: from transformers.utils.chat_template_utils import _cached_compile_jinja_template as _fresh_compile
-except ImportError: _fresh_compile = None
+
+try:
+    from transformers.utils.chat_template_utils import _alias_reasoning_fields, _compile_jinja_template
+except ImportError:
+    _compile_jinja_template = None
+try:
+    from transformers.utils.chat_template_utils import _cached_compile_jinja_template as _fresh_compile
+except ImportError:
+    _fresh_compile = None
 
 TEMPLATE_RENDERS = Counter()  # chat-template renders in this process: 'direct', or why `apply_chat_template` rendered
+
 
 def _memo_safe(env):
     "Make sandbox `env` remember its attribute verdicts per (type, name) for the template's own data: JSON values, loop, namespace"
     from jinja2.runtime import LoopContext
     from jinja2.utils import Namespace
+
     check, seen, kinds = env.is_safe_attribute, {}, {}
     plain = {str, dict, list, tuple, int, float, bool, type(None)}
+
     def is_safe_attribute(obj, attr, value):
         t = type(obj)
-        if (m := kinds.get(t)) is None: m = kinds[t] = t in plain or issubclass(t, (LoopContext, Namespace))
-        if not m: return check(obj, attr, value)
-        if (r := seen.get((t, attr))) is None: r = seen[t, attr] = check(obj, attr, value)
+        if (m := kinds.get(t)) is None:
+            m = kinds[t] = t in plain or issubclass(t, (LoopContext, Namespace))
+        if not m:
+            return check(obj, attr, value)
+        if (r := seen.get((t, attr))) is None:
+            r = seen[t, attr] = check(obj, attr, value)
         return r
+
     env.is_safe_attribute = is_safe_attribute
     return env
 
+
 @lru_cache(maxsize=16)
-def _compiled(template:str):
+def _compiled(template: str):
     "`template` compiled as `apply_chat_template` compiles it, in a sandbox of its own that remembers its verdicts"
-    if _fresh_compile is None: return _compile_jinja_template(template)
-    t = _fresh_compile(template); _memo_safe(t.environment)
+    if _fresh_compile is None:
+        return _compile_jinja_template(template)
+    t = _fresh_compile(template)
+    _memo_safe(t.environment)
     return t
+
 
 def direct_template(tok):
     "`tok`'s chat template compiled as `apply_chat_template` compiles it, or a str: why `apply_chat_template` must render"
-    if _compile_jinja_template is None: return 'transformers without _compile_jinja_template'
-    if not isinstance(tok.chat_template, str): return 'chat template is not one string'
+    if _compile_jinja_template is None:
+        return 'transformers without _compile_jinja_template'
+    if not isinstance(tok.chat_template, str):
+        return 'chat template is not one string'
     return _compiled(tok.chat_template)
 
-def template_render(tok)->str:
+
+def template_render(tok) -> str:
     "How `chat_text` renders `tok`'s chat template: 'direct', or 'apply_chat_template: <why>'"
     t = direct_template(tok)
     return f'apply_chat_template: {t}' if isinstance(t, str) else 'direct'
 
-def _plain(messages:list, tools)->bool:
-    "Whether `messages` and `tools` are what the direct render takes as they are"
-    return bool(messages) and all(type(m) is dict and None not in m.values() for m in messages) and all(type(t) is dict for t in tools or ())
 
-def chat_text(tok, messages:list, # template-ready messages (see `template_messages`)
-              tools:list=None, thinking:bool=True,
-              add_generation_prompt:bool=True)->str:
+def _plain(messages: list, tools) -> bool:
+    "Whether `messages` and `tools` are what the direct render takes as they are"
+    return (
+        bool(messages)
+        and all(type(m) is dict and None not in m.values() for m in messages)
+        and all(type(t) is dict for t in tools or ())
+    )
+
+
+def chat_text(
+    tok,
+    messages: list,  # template-ready messages (see `template_messages`)
+    tools: list = None,
+    thinking: bool = True,
+    add_generation_prompt: bool = True,
+) -> str:
     "The target's chat template over `messages`, as text: `tok.apply_chat_template(..., tokenize=False)`'s"
     t = direct_template(tok)
     if isinstance(t, str) or not _plain(messages, tools):
         TEMPLATE_RENDERS[t if isinstance(t, str) else 'input not plain'] += 1
-        return tok.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                       thinking=thinking, enable_thinking=thinking)
+        return tok.apply_chat_template(
+            messages,
+            tools=tools or None,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            thinking=thinking,
+            enable_thinking=thinking,
+        )
     TEMPLATE_RENDERS['direct'] += 1
-    return t.render(messages=_alias_reasoning_fields(messages), tools=tools or None, documents=None,
-                    add_generation_prompt=add_generation_prompt, **{**tok.special_tokens_map, 'thinking': thinking, 'enable_thinking': thinking})
+    return t.render(
+        messages=_alias_reasoning_fields(messages),
+        tools=tools or None,
+        documents=None,
+        add_generation_prompt=add_generation_prompt,
+        **{**tok.special_tokens_map, 'thinking': thinking, 'enable_thinking': thinking},
+    )
 
 # %% ../nbs/20_render.ipynb #4f536fa0
-_EXTRA_TOKENS = dict(deepseek=['<｜tool▁output▁begin｜>', '<｜tool▁output▁end｜>'], llama3=['<|eom_id|>'],
-                     glm=['<|endoftext|>', '<tool_response>', '</tool_response>', '<arg_key>', '</arg_key>', '<arg_value>', '</arg_value>'])
-_ROLES = dict(deepseek=dict(bos_token='<｜begin▁of▁sentence｜>', eos_token='<｜end▁of▁sentence｜>'),
-              llama3=dict(bos_token='<|begin_of_text|>', eos_token='<|eot_id|>'), glm=dict(eos_token='<|endoftext|>'))
+_EXTRA_TOKENS = dict(
+    deepseek=['<｜tool▁output▁begin｜>', '<｜tool▁output▁end｜>'],
+    llama3=['<|eom_id|>'],
+    glm=[
+        '<|endoftext|>',
+        '<tool_response>',
+        '</tool_response>',
+        '<arg_key>',
+        '</arg_key>',
+        '<arg_value>',
+        '</arg_value>',
+    ],
+)
+_ROLES = dict(
+    deepseek=dict(bos_token='<｜begin▁of▁sentence｜>', eos_token='<｜end▁of▁sentence｜>'),
+    llama3=dict(bos_token='<|begin_of_text|>', eos_token='<|eot_id|>'),
+    glm=dict(eos_token='<|endoftext|>'),
+)
 
-def family_tokenizer(base, # a fast tokenizer whose BPE to reuse, e.g. a toy target's
-                     family:str, # kimi, deepseek, llama3, glm or qwen3
-                     chat_template:str, # the family's chat template text
-                    ):
+
+def family_tokenizer(
+    base,  # a fast tokenizer whose BPE to reuse, e.g. a toy target's
+    family: str,  # kimi, deepseek, llama3, glm or qwen3
+    chat_template: str,  # the family's chat template text
+):
     "A test tokenizer: `base`'s BPE plus `family`'s special tokens, BOS/EOS and `chat_template`"
     from tokenizers import Tokenizer, AddedToken
     from transformers import PreTrainedTokenizerFast
+
     tk = Tokenizer.from_str(base.backend_tokenizer.to_str())
-    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in FAMILY_TOKENS[family] + _EXTRA_TOKENS.get(family, [])])
+    tk.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in FAMILY_TOKENS[family] + _EXTRA_TOKENS.get(family, [])]
+    )
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, **_ROLES.get(family, {}))
     tok.chat_template = chat_template
     return tok
 
 # %% ../nbs/20_render.ipynb #eb91c4ac
-def _after(prompt:str, options:list, default:str)->str:
+def _after(prompt: str, options: list, default: str) -> str:
     "The value of the first `(tail, value)` whose tail ends `prompt`, else `default`"
     return next((v for t, v in options if prompt.endswith(t)), default)
 
-def _fns(m:dict)->list: return [c['function'] for c in m.get('tool_calls') or []]
+
+def _fns(m: dict) -> list:
+    return [c['function'] for c in m.get('tool_calls') or []]
+
 
 class RenderError(ValueError):
     "A turn the target's format cannot express; the message is the reject reason"
 
 # %% ../nbs/20_render.ipynb #b596523f
-def emit_kimi(m:dict, # the assistant turn, template-ready
-              prompt:str, # the rendered prompt it continues
-             )->tuple:    # (completion text, reasoning included)
+def emit_kimi(
+    m: dict,  # the assistant turn, template-ready
+    prompt: str,  # the rendered prompt it continues
+) -> tuple:  # (completion text, reasoning included)
     "Kimi-K2: `<think>reasoning</think>`, content, the tool-call section, `<|im_end|>`"
     rc = m.get('reasoning_content') or ''
     think = _after(prompt, [('<think></think>', ''), ('<think>', f'{rc}</think>')], f'<think>{rc}</think>')
-    calls = ''.join(f"<|tool_call_begin|>{c['id']}<|tool_call_argument_begin|>{_js(c['function']['arguments'])}<|tool_call_end|>"
-                    for c in m.get('tool_calls') or [])
+    calls = ''.join(
+        f"<|tool_call_begin|>{c['id']}<|tool_call_argument_begin|>{_js(c['function']['arguments'])}<|tool_call_end|>"
+        for c in m.get('tool_calls') or []
+    )
     section = f'<|tool_calls_section_begin|>{calls}<|tool_calls_section_end|>' if calls else ''
     return f"{think}{m.get('content', '')}{section}<|im_end|>", bool(rc) and bool(think)
 
 # %% ../nbs/20_render.ipynb #fadad0b8
-def emit_qwen3(m:dict, prompt:str)->tuple:
+def emit_qwen3(m: dict, prompt: str) -> tuple:
     "Qwen3: `<think>\\n...\\n</think>\\n\\n`, content, `<tool_call>` JSON blocks, `<|im_end|>`"
     content, rc = m.get('content', ''), (m.get('reasoning_content') or '').strip('\n')
-    think = _after(prompt, [('<think>\n\n</think>\n\n', ''), ('<think>\n', f'{rc}\n</think>\n\n')], f'<think>\n{rc}\n</think>\n\n')
-    calls = ''.join(('\n' if i or content else '') + f'<tool_call>\n{{"name": "{f["name"]}", "arguments": {_js(f["arguments"])}}}\n</tool_call>'
-                    for i, f in enumerate(_fns(m)))
+    think = _after(
+        prompt, [('<think>\n\n</think>\n\n', ''), ('<think>\n', f'{rc}\n</think>\n\n')], f'<think>\n{rc}\n</think>\n\n'
+    )
+    calls = ''.join(
+        ('\n' if i or content else '')
+        + f'<tool_call>\n{{"name": "{f["name"]}", "arguments": {_js(f["arguments"])}}}\n</tool_call>'
+        for i, f in enumerate(_fns(m))
+    )
     return think + content.lstrip('\n') + calls + '<|im_end|>', bool(rc) and bool(think)
 
 # %% ../nbs/20_render.ipynb #173a6027
-def emit_llama3(m:dict, prompt:str)->tuple:
+def emit_llama3(m: dict, prompt: str) -> tuple:
     "Llama-3.1: trimmed content, or one `{\"name\", \"parameters\"}` call, then `<|eot_id|>`"
     fs = _fns(m)
-    if len(fs) > 1: raise RenderError('llama3: more than one tool call in a turn')
-    if fs: return f'{{"name": "{fs[0]["name"]}", "parameters": {json.dumps(fs[0]["arguments"], ensure_ascii=False)}}}<|eot_id|>', False
+    if len(fs) > 1:
+        raise RenderError('llama3: more than one tool call in a turn')
+    if fs:
+        return (
+            f'{{"name": "{fs[0]["name"]}", "parameters": {json.dumps(fs[0]["arguments"], ensure_ascii=False)}}}<|eot_id|>',
+            False,
+        )
     return m.get('content', '').strip() + '<|eot_id|>', False
 
 # %% ../nbs/20_render.ipynb #9f7cdc17
-def emit_deepseek(m:dict, prompt:str)->tuple:
+def emit_deepseek(m: dict, prompt: str) -> tuple:
     "DeepSeek-V3.1: `reasoning</think>` when the prompt opened `<think>`, content, tool calls, `<｜end▁of▁sentence｜>`"
     rc = m.get('reasoning_content') or ''
     think = _after(prompt, [('<think>', f'{rc}</think>')], '')
     fs = _fns(m)
-    calls = ''.join(f'<｜tool▁call▁begin｜>{f["name"]}<｜tool▁sep｜>{_js(f["arguments"])}<｜tool▁call▁end｜>' for f in fs)
+    calls = ''.join(
+        f'<｜tool▁call▁begin｜>{f["name"]}<｜tool▁sep｜>{_js(f["arguments"])}<｜tool▁call▁end｜>' for f in fs
+    )
     calls = f'<｜tool▁calls▁begin｜>{calls}<｜tool▁calls▁end｜>' if fs else ''
     return f"{think}{m.get('content', '')}{calls}<｜end▁of▁sentence｜>", bool(rc) and bool(think)
 
 # %% ../nbs/20_render.ipynb #0a21b16d
-def _glm_call(f:dict)->str:
+def _glm_call(f: dict) -> str:
     a = f['arguments'] if isinstance(f['arguments'], dict) else {}
-    kv = ''.join(f'<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else _js(v)}</arg_value>\n' for k, v in a.items())
+    kv = ''.join(
+        f'<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else _js(v)}</arg_value>\n' for k, v in a.items()
+    )
     return f'\n<tool_call>{f["name"]}\n{kv}</tool_call>'
 
-def emit_glm(m:dict, prompt:str)->tuple:
+
+def emit_glm(m: dict, prompt: str) -> tuple:
     "GLM-4.6: `\\n<think>...</think>`, `\\n` content, XML tool calls, then `<|observation|>` or `<|user|>`"
     rc, content, fs = (m.get('reasoning_content') or '').strip(), m.get('content', '').strip(), _fns(m)
     think = _after(prompt, [('<think></think>', '')], f'\n<think>{rc}</think>')
     body = f'\n{content}' if content else ''
-    return think + body + ''.join(map(_glm_call, fs)) + ('<|observation|>' if fs else '<|user|>'), bool(rc) and bool(think)
+    return think + body + ''.join(map(_glm_call, fs)) + ('<|observation|>' if fs else '<|user|>'), bool(rc) and bool(
+        think
+    )
 
 # %% ../nbs/20_render.ipynb #75809bf4
 EMITTERS = dict(kimi=emit_kimi, qwen3=emit_qwen3, llama3=emit_llama3, deepseek=emit_deepseek, glm=emit_glm)
 
-def completion_text(family:str|None, # template family; None or unknown: use the template's rendering
-                    m:dict,           # the assistant turn, template-ready
-                    prompt:str,       # its rendered prompt
-                    full:callable=None, # () -> the template's rendering of history + turn (unknown families)
-                   )->tuple:          # (completion text, reasoning included)
+
+def completion_text(
+    family: str | None,  # template family; None or unknown: use the template's rendering
+    m: dict,  # the assistant turn, template-ready
+    prompt: str,  # its rendered prompt
+    full: callable = None,  # () -> the template's rendering of history + turn (unknown families)
+) -> tuple:  # (completion text, reasoning included)
     "What the target emits for turn `m` after `prompt`"
-    if family in EMITTERS: return EMITTERS[family](m, prompt)
+    if family in EMITTERS:
+        return EMITTERS[family](m, prompt)
     t = full()
-    if not t.startswith(prompt): raise RenderError('template rewrites history: turn is not a continuation of its prompt')
-    return t[len(prompt):], bool(m.get('reasoning_content'))
+    if not t.startswith(prompt):
+        raise RenderError('template rewrites history: turn is not a continuation of its prompt')
+    return t[len(prompt) :], bool(m.get('reasoning_content'))
 
 # %% ../nbs/20_render.ipynb #c765a6a8
-def template_turn(family:str, full:str, m:dict)->str:
+def template_turn(family: str, full: str, m: dict) -> str:
     "The template's rendering of history + turn `m`, cut or completed to end where the target stops"
-    if family == 'qwen3' and full.endswith('<|im_end|>\n'): return full[:-1]
-    if family == 'glm': return full + ('<|observation|>' if m.get('tool_calls') else '<|user|>')
+    if family == 'qwen3' and full.endswith('<|im_end|>\n'):
+        return full[:-1]
+    if family == 'glm':
+        return full + ('<|observation|>' if m.get('tool_calls') else '<|user|>')
     return full
 
-def _ids(tok, text:str)->list: return tok(text, add_special_tokens=False)['input_ids']
 
-def check_event(tok, messages:list, # canonical messages
-                i:int, # index of the assistant turn
-                tools:list=None, thinking:bool=True)->tuple: # (prompt + completion ids, template's ids)
+def _ids(tok, text: str) -> list:
+    return tok(text, add_special_tokens=False)['input_ids']
+
+
+def check_event(
+    tok,
+    messages: list,  # canonical messages
+    i: int,  # index of the assistant turn
+    tools: list = None,
+    thinking: bool = True,
+) -> tuple:  # (prompt + completion ids, template's ids)
     "Token ids of prompt + completion for turn `i`, and of the template's own rendering of `messages[:i+1]`"
     fam = template_family(tok.chat_template)
     ms = template_messages(messages, fam, thinking)
     prompt = chat_text(tok, ms[:i], tools, thinking)
-    full = lambda: chat_text(tok, ms[:i+1], tools, thinking, add_generation_prompt=False)
+    full = lambda: chat_text(tok, ms[: i + 1], tools, thinking, add_generation_prompt=False)
     completion, _ = completion_text(fam, ms[i], prompt, full)
     return _ids(tok, prompt) + _ids(tok, completion), _ids(tok, template_turn(fam, full(), ms[i]))
 
 # %% ../nbs/20_render.ipynb #2ae86145
 from .schema import render_problem  # why a conversation cannot be rendered (roles, tool results, arguments)
-from .recipe import claim_output, publishing, atomic_write, model_dir  # outputs a verb may replace; model folders
+from eagle3nb.recipe import (
+    claim_output,
+    publishing,
+    atomic_write,
+    model_dir,
+)  # outputs a verb may replace; model folders
 
 # %% ../nbs/20_render.ipynb #7cf0e778
 from .schema import special_text_problem
 from .target import special_texts
 
-def _special(tok)->tuple:
+
+def _special(tok) -> tuple:
     "`special_texts(tok)`, worked out once per tokenizer (and again if tokens were added)"
     k, got = len(tok), getattr(tok, '_eagle3nb_special', None)  # len: the vocabulary with its added tokens
-    if got is None or got[0] != k: got = tok._eagle3nb_special = (k, special_texts(tok))
+    if got is None or got[0] != k:
+        got = tok._eagle3nb_special = (k, special_texts(tok))
     return got[1]
 
-def conversation_problem(c:dict, tok)->str|None: # the reject reason, None when `c` can be rendered for `tok`
+
+def conversation_problem(c: dict, tok) -> str | None:  # the reject reason, None when `c` can be rendered for `tok`
     "Why `c` cannot be rendered for `tok`'s target: unreadable, malformed, or text holding its special tokens"
     return c.get('unreadable') or render_problem(c) or special_text_problem(c, _special(tok))
 
 # %% ../nbs/20_render.ipynb #d74672f3
-def _reason(e:Exception)->str: return (str(e) or type(e).__name__).splitlines()[0][:120]
+def _reason(e: Exception) -> str:
+    return (str(e) or type(e).__name__).splitlines()[0][:120]
 
-def conversation_events(c:dict, tok, # conversation; the target's tokenizer
-                        thinking:bool=True)->list: # one dict per event: event, prompt, completion, think, tools | reject
+
+def conversation_events(
+    c: dict,
+    tok,  # conversation; the target's tokenizer
+    thinking: bool = True,
+) -> list:  # one dict per event: event, prompt, completion, think, tools | reject
     "The generation events of conversation `c`, rendered as text"
-    if (why := conversation_problem(c, tok)): return [dict(event=0, reject=why)]
+    if why := conversation_problem(c, tok):
+        return [dict(event=0, reject=why)]
     fam = template_family(tok.chat_template)
     ms, tools = template_messages(c['messages'], fam, thinking), c.get('tools') or None
     turns = [i for i, m in enumerate(ms) if m['role'] == 'assistant']
-    if c.get('kind') == 'prompt_only': turns = [len(ms)]
+    if c.get('kind') == 'prompt_only':
+        turns = [len(ms)]
     evs = []
     for e, i in enumerate(turns):
         ev = dict(event=e, think=False, tools=False)
         try:
             ev['prompt'] = chat_text(tok, ms[:i], tools, thinking)
-            if i == len(ms): ev.update(completion='', prompt_only=True); evs.append(ev); continue
-            full = lambda: chat_text(tok, ms[:i+1], tools, thinking, add_generation_prompt=False)
+            if i == len(ms):
+                ev.update(completion='', prompt_only=True)
+                evs.append(ev)
+                continue
+            full = lambda: chat_text(tok, ms[: i + 1], tools, thinking, add_generation_prompt=False)
             ev['completion'], ev['think'] = completion_text(fam, ms[i], ev['prompt'], full)
             ev['tools'] = bool(ms[i].get('tool_calls'))
-        except Exception as ex: ev = dict(event=e, reject=_reason(ex))
+        except Exception as ex:
+            ev = dict(event=e, reject=_reason(ex))
         evs.append(ev)
     return evs
 
 # %% ../nbs/20_render.ipynb #5a83898a
 BOUNDARY = 'token boundary: prompt and completion tokenize differently apart than together'
 
-def tokenize_events(tok, evs:list)->list:
+
+def tokenize_events(tok, evs: list) -> list:
     "Add `prompt_ids` and `completion_ids` to each event, or reject it at a token boundary that does not hold"
     ok = [e for e in evs if 'reject' not in e]
     enc = lambda ts: tok(ts, add_special_tokens=False)['input_ids'] if ts else []
     P, C = enc([e['prompt'] for e in ok]), enc([e['completion'] for e in ok])
     W = enc([e['prompt'] + e['completion'] for e in ok])
     for e, p, c, w in zip(ok, P, C, W):
-        if p + c == w: e.update(prompt_ids=p, completion_ids=c)
-        else: e['reject'] = BOUNDARY
+        if p + c == w:
+            e.update(prompt_ids=p, completion_ids=c)
+        else:
+            e['reject'] = BOUNDARY
     return evs
 
 # %% ../nbs/20_render.ipynb #cb16f6cc
-def group_events(evs:list, merge:bool=True)->list:
+def group_events(evs: list, merge: bool = True) -> list:
     "Events with ids in order, grouped where each one's stream starts with the previous one's prompt + completion"
     groups = []
     for e in (e for e in evs if 'reject' not in e):
         if merge and groups and not e.get('prompt_only') and not groups[-1][-1].get('prompt_only'):
-            last = groups[-1][-1]; cur = last['prompt_ids'] + last['completion_ids']
-            if e['prompt_ids'][:len(cur)] == cur: groups[-1].append(e); continue
+            last = groups[-1][-1]
+            cur = last['prompt_ids'] + last['completion_ids']
+            if e['prompt_ids'][: len(cur)] == cur:
+                groups[-1].append(e)
+                continue
         groups.append([e])
     return groups
 
 # %% ../nbs/20_render.ipynb #dc20cf3a
-def _sample(c:dict, evs:list, first:int, # conversation; the group's events; the number of its first event
-            ids:list, spans:list, sha:str)->dict:
+def _sample(
+    c: dict,
+    evs: list,
+    first: int,  # conversation; the group's events; the number of its first event
+    ids: list,
+    spans: list,
+    sha: str,
+) -> dict:
     "The sample row of events `evs` with token ids `ids` and supervised `spans`"
     mask = [0] * len(ids)
-    for s, t in spans: mask[s:t] = [1] * (t - s)
+    for s, t in spans:
+        mask[s:t] = [1] * (t - s)
     cid = c['sample_id']
-    return dict(sample_id=f"{cid}-e{first:02d}", conversation_id=cid, dataset=c.get('dataset') or '', kind=c.get('kind') or 'full',
-                input_ids=ids, loss_mask=mask, spans=spans, prompt_tokens=spans[0][0] if spans else len(ids),
-                completion_tokens=sum(mask), n_events=len(spans), has_think=any(e['think'] for e in evs),
-                has_tools=any(e['tools'] for e in evs), prompt_only=bool(evs[0].get('prompt_only')), template_sha256=sha)
+    return dict(
+        sample_id=f"{cid}-e{first:02d}",
+        conversation_id=cid,
+        dataset=c.get('dataset') or '',
+        kind=c.get('kind') or 'full',
+        input_ids=ids,
+        loss_mask=mask,
+        spans=spans,
+        prompt_tokens=spans[0][0] if spans else len(ids),
+        completion_tokens=sum(mask),
+        n_events=len(spans),
+        has_think=any(e['think'] for e in evs),
+        has_tools=any(e['tools'] for e in evs),
+        prompt_only=bool(evs[0].get('prompt_only')),
+        template_sha256=sha,
+    )
 
-def group_sample(g:list, c:dict, # events of one group; their conversation
-                 template_sha256:str)->dict:
+
+def group_sample(
+    g: list,
+    c: dict,  # events of one group; their conversation
+    template_sha256: str,
+) -> dict:
     "The sample row of event group `g`"
     spans = [[len(e['prompt_ids']), len(e['prompt_ids']) + len(e['completion_ids'])] for e in g if e['completion_ids']]
     return _sample(c, g, g[0]['event'], g[-1]['prompt_ids'] + g[-1]['completion_ids'], spans, template_sha256)
@@ -298,176 +446,307 @@ def group_sample(g:list, c:dict, # events of one group; their conversation
 # %% ../nbs/20_render.ipynb #66a766cc
 from bisect import bisect_right
 
-_PROBES = dict(user=[dict(role='user', content='x')],
-               tool=[dict(role='user', content='x'), dict(role='assistant', content='', tool_calls=[dict(id='functions.f:0', type='function',
-                     function=dict(name='f', arguments={'a': 1}))]), dict(role='tool', content='y', tool_call_id='functions.f:0', name='f')],
-               assistant=[dict(role='user', content='x'), dict(role='assistant', content='y')])
+_PROBES = dict(
+    user=[dict(role='user', content='x')],
+    tool=[
+        dict(role='user', content='x'),
+        dict(
+            role='assistant',
+            content='',
+            tool_calls=[dict(id='functions.f:0', type='function', function=dict(name='f', arguments={'a': 1}))],
+        ),
+        dict(role='tool', content='y', tool_call_id='functions.f:0', name='f'),
+    ],
+    assistant=[dict(role='user', content='x'), dict(role='assistant', content='y')],
+)
 _GENS = {}
 
-def gen_prompt(tok, prev:str, # role of the message the prompt ends with: user, tool or assistant
-               thinking:bool=True)->str|None:
+
+def gen_prompt(
+    tok,
+    prev: str,  # role of the message the prompt ends with: user, tool or assistant
+    thinking: bool = True,
+) -> str | None:
     "The text the generation prompt adds after a `prev` message; None where it is not a plain suffix"
     k = (id(tok), tok.chat_template, prev, bool(thinking))
     if k not in _GENS:
         fam, ms, _GENS[k] = template_family(tok.chat_template), _PROBES.get(prev), None
         if ms is not None:
             ms = template_messages(ms, fam, thinking)
-            try: on, off = chat_text(tok, ms, None, thinking), chat_text(tok, ms, None, thinking, add_generation_prompt=False)
-            except Exception: return None
-            if on.startswith(off): _GENS[k] = on[len(off):]
+            try:
+                on, off = (
+                    chat_text(tok, ms, None, thinking),
+                    chat_text(tok, ms, None, thinking, add_generation_prompt=False),
+                )
+            except Exception:
+                return None
+            if on.startswith(off):
+                _GENS[k] = on[len(off) :]
     return _GENS[k]
 
 # %% ../nbs/20_render.ipynb #addabeab
-_TURN_MARK = dict(kimi='<|im_assistant|>', qwen3='<|im_start|>assistant', llama3='<|start_header_id|>assistant<|end_header_id|>',
-                  glm='<|assistant|>', deepseek='<｜end▁of▁sentence｜>')
-_END = dict(kimi='<|im_end|>', qwen3='<|im_end|>', llama3='<|eot_id|>', deepseek='<｜end▁of▁sentence｜>', glm='<|observation|>')
+_TURN_MARK = dict(
+    kimi='<|im_assistant|>',
+    qwen3='<|im_start|>assistant',
+    llama3='<|start_header_id|>assistant<|end_header_id|>',
+    glm='<|assistant|>',
+    deepseek='<｜end▁of▁sentence｜>',
+)
+_END = dict(
+    kimi='<|im_end|>', qwen3='<|im_end|>', llama3='<|eot_id|>', deepseek='<｜end▁of▁sentence｜>', glm='<|observation|>'
+)
 
-_CONTENT_AT = dict(qwen3=('<|im_start|>assistant\n', '</think>\n\n'))  # where an assistant turn's content starts, in history and as emitted
+_CONTENT_AT = dict(
+    qwen3=('<|im_start|>assistant\n', '</think>\n\n')
+)  # where an assistant turn's content starts, in history and as emitted
+
 
 class _PerEvent(Exception):
     "This conversation takes the per-event path; the message says why (empty: not counted as a fallback)"
 
-def _event_texts(c:dict, tok, fam:str, thinking:bool)->tuple:
+
+def _event_texts(c: dict, tok, fam: str, thinking: bool) -> tuple:
     "Template-ready messages, tools, assistant turn indices, generation prompts and (completion, think) per event"
     ms, tools = template_messages(c['messages'], fam, thinking), c.get('tools') or None
     turns = [i for i, m in enumerate(ms) if m['role'] == 'assistant']
-    if c.get('kind') == 'prompt_only' or not turns: raise _PerEvent('')
+    if c.get('kind') == 'prompt_only' or not turns:
+        raise _PerEvent('')
     blob = json.dumps([ms, tools], ensure_ascii=False)
-    if any(t in blob for t in FAMILY_TOKENS[fam] + _EXTRA_TOKENS.get(fam, [])): raise _PerEvent('template tokens in message text')
-    gens = [gen_prompt(tok, ms[i-1]['role'] if i else None, thinking) for i in turns]
-    if None in gens: raise _PerEvent('no plain generation prompt')
-    try: return ms, tools, turns, gens, [EMITTERS[fam](ms[i], g) for i, g in zip(turns, gens)]
-    except RenderError as e: raise _PerEvent(_reason(e)) from None
+    if any(t in blob for t in FAMILY_TOKENS[fam] + _EXTRA_TOKENS.get(fam, [])):
+        raise _PerEvent('template tokens in message text')
+    gens = [gen_prompt(tok, ms[i - 1]['role'] if i else None, thinking) for i in turns]
+    if None in gens:
+        raise _PerEvent('no plain generation prompt')
+    try:
+        return ms, tools, turns, gens, [EMITTERS[fam](ms[i], g) for i, g in zip(turns, gens)]
+    except RenderError as e:
+        raise _PerEvent(_reason(e)) from None
 
 # %% ../nbs/20_render.ipynb #06ec6952
-def _continues(Pa:str, Pb:str, # prompts of events a and b
-               gens:list, comps:list, # generation prompt and (completion, think) of events a..b
-               mark:str)->list|None:  # the family's `_TURN_MARK`
+def _continues(
+    Pa: str,
+    Pb: str,  # prompts of events a and b
+    gens: list,
+    comps: list,  # generation prompt and (completion, think) of events a..b
+    mark: str,
+) -> list | None:  # the family's `_TURN_MARK`
     "Prompt ends of events a..b in `Pb`, None where `Pb` does not continue every one of them"
-    if not Pb.startswith(Pa): return None
+    if not Pb.startswith(Pa):
+        return None
     pos, cur = [len(Pa)], len(Pa)
     for j in range(len(gens) - 1):
         if j:
             at = Pb.find(gens[j] + comps[j][0], cur)
-            if at < 0 or Pb.count(mark, cur, at): return None
+            if at < 0 or Pb.count(mark, cur, at):
+                return None
             pos.append(at + len(gens[j]))
-        elif not Pb.startswith(comps[0][0], cur): return None
+        elif not Pb.startswith(comps[0][0], cur):
+            return None
         cur = pos[-1] + len(comps[j][0])
     if len(gens) > 1:
-        if Pb.count(mark, cur, len(Pb) - len(gens[-1])): return None
+        if Pb.count(mark, cur, len(Pb) - len(gens[-1])):
+            return None
         pos.append(len(Pb))
     return pos
 
 # %% ../nbs/20_render.ipynb #56fd8e6d
-def _group(P:str, a:int, b:int, pos:list, comps:list)->dict:
+def _group(P: str, a: int, b: int, pos: list, comps: list) -> dict:
     "Group of events a..b: the text (prompt of b + its completion), prompt ends, completions"
-    return dict(text=P + comps[b][0], events=list(range(a, b + 1)), ends=pos, comps=[t for t, _ in comps[a:b+1]])
+    return dict(text=P + comps[b][0], events=list(range(a, b + 1)), ends=pos, comps=[t for t, _ in comps[a : b + 1]])
 
-def _whole(Pb:str, ms:list, gens:list, comps:list, mark:str)->list|None:
+
+def _whole(Pb: str, ms: list, gens: list, comps: list, mark: str) -> list | None:
     "Prompt ends of every event in the last prompt `Pb`, event 0's found by search; None where not all continue"
-    if any(m['role'] == 'system' for m in ms[next(i for i, m in enumerate(ms) if m['role'] != 'system'):]): return None
+    if any(m['role'] == 'system' for m in ms[next(i for i, m in enumerate(ms) if m['role'] != 'system') :]):
+        return None
     at = Pb.find(gens[0] + comps[0][0])
-    if at < 0 or Pb.count(mark, 0, at): return None
-    return _continues(Pb[:at + len(gens[0])], Pb, gens, comps, mark)
+    if at < 0 or Pb.count(mark, 0, at):
+        return None
+    return _continues(Pb[: at + len(gens[0])], Pb, gens, comps, mark)
 
 # %% ../nbs/20_render.ipynb #b2f90500
-def plan_groups(c:dict, tok, fam:str, # conversation; the target's tokenizer; its template family
-                thinking:bool=True)->dict: # groups (text, events, prompt ends, completions), events, renders
+def plan_groups(
+    c: dict,
+    tok,
+    fam: str,  # conversation; the target's tokenizer; its template family
+    thinking: bool = True,
+) -> dict:  # groups (text, events, prompt ends, completions), events, renders
     "The prefix-merge groups of `c` as text, each rendered once; `_PerEvent` where the linear path does not apply"
     ms, tools, turns, gens, comps = _event_texts(c, tok, fam, thinking)
     P = {}
+
     def prompt(j):
         if j not in P:
-            try: P[j] = chat_text(tok, ms[:turns[j]], tools, thinking)
-            except Exception as e: raise _PerEvent(_reason(e)) from None
-            if not P[j].endswith(gens[j]): raise _PerEvent('generation prompt differs from its probe')
+            try:
+                P[j] = chat_text(tok, ms[: turns[j]], tools, thinking)
+            except Exception as e:
+                raise _PerEvent(_reason(e)) from None
+            if not P[j].endswith(gens[j]):
+                raise _PerEvent('generation prompt differs from its probe')
         return P[j]
-    ends = lambda a, b: _continues(prompt(a), prompt(b), gens[a:b+1], comps[a:b+1], _TURN_MARK[fam])
+
+    ends = lambda a, b: _continues(prompt(a), prompt(b), gens[a : b + 1], comps[a : b + 1], _TURN_MARK[fam])
     groups, a, E = [], 0, len(turns)
-    if E > 1 and (r := _whole(prompt(E - 1), ms, gens, comps, _TURN_MARK[fam])): a = E; groups.append(_group(P[E - 1], 0, E - 1, r, comps))
+    if E > 1 and (r := _whole(prompt(E - 1), ms, gens, comps, _TURN_MARK[fam])):
+        a = E
+        groups.append(_group(P[E - 1], 0, E - 1, r, comps))
     while a < E:
         lo, pos = a, ends(a, a)
         if a + 1 < E and (r := ends(a, a + 1)):
             lo, pos, hi = a + 1, r, E
             if E - 1 > lo:
-                if r := ends(a, E - 1): lo, pos = E - 1, r
-                else: hi = E - 1
+                if r := ends(a, E - 1):
+                    lo, pos = E - 1, r
+                else:
+                    hi = E - 1
             while hi - lo > 1:
-                if r := ends(a, mid := (lo + hi) // 2): lo, pos = mid, r
-                else: hi = mid
-        groups.append(_group(P[lo], a, lo, pos, comps)); a = lo + 1
-    evs = [dict(event=e, think=k, tools=bool(ms[i].get('tool_calls'))) for e, (i, (_, k)) in enumerate(zip(turns, comps))]
+                if r := ends(a, mid := (lo + hi) // 2):
+                    lo, pos = mid, r
+                else:
+                    hi = mid
+        groups.append(_group(P[lo], a, lo, pos, comps))
+        a = lo + 1
+    evs = [
+        dict(event=e, think=k, tools=bool(ms[i].get('tool_calls'))) for e, (i, (_, k)) in enumerate(zip(turns, comps))
+    ]
     return dict(groups=groups, events=evs, renders=len(P))
 
 # %% ../nbs/20_render.ipynb #b025e0e4
-def _enc(tok, texts:list)->list: return tok(texts, add_special_tokens=False)['input_ids'] if texts else []
+def _enc(tok, texts: list) -> list:
+    return tok(texts, add_special_tokens=False)['input_ids'] if texts else []
 
-def _cuts(text:str, end:str, starts:tuple=())->list:
+
+def _cuts(text: str, end: str, starts: tuple = ()) -> list:
     "Offsets that split `text` after each `end` token and after each of `starts` that a non-space follows, with 0 and `len(text)`"
     out, k = [0], text.find(end)
-    while k >= 0: out.append(k + len(end)); k = text.find(end, k + len(end))
-    if out[-1] != len(text): out.append(len(text))
+    while k >= 0:
+        out.append(k + len(end))
+        k = text.find(end, k + len(end))
+    if out[-1] != len(text):
+        out.append(len(text))
     more = []
     for m in starts:
         k = text.find(m)
         while k >= 0:
-            if (p := k + len(m)) < len(text) and not text[p].isspace(): more.append(p)
+            if (p := k + len(m)) < len(text) and not text[p].isspace():
+                more.append(p)
             k = text.find(m, p)
     return sorted(set(out).union(more)) if more else out
 
-_PROBE_TAILS = ('assistant\n', '\n\n', 'x.\n', '\n')
-_PROBE_HEADS = ('Hello there', "It's", '1. first', '42', '**bold**', '# Title', '- item', '`code`', '(a)', '"q"', "'s", '\u2019twas', '<b>',
-                '\u4e2d\u6587\u5b57', '\u65e5\u672c', '\u00e9t\u00e9', 'e\u0301', '\u0301x', '\u2163', '\U0001f600 ok', '|a|', '_x', '\\n', '$x$', '...')
 
-def _unicode_only(n)->bool:
+_PROBE_TAILS = ('assistant\n', '\n\n', 'x.\n', '\n')
+_PROBE_HEADS = (
+    'Hello there',
+    "It's",
+    '1. first',
+    '42',
+    '**bold**',
+    '# Title',
+    '- item',
+    '`code`',
+    '(a)',
+    '"q"',
+    "'s",
+    '\u2019twas',
+    '<b>',
+    '\u4e2d\u6587\u5b57',
+    '\u65e5\u672c',
+    '\u00e9t\u00e9',
+    'e\u0301',
+    '\u0301x',
+    '\u2163',
+    '\U0001f600 ok',
+    '|a|',
+    '_x',
+    '\\n',
+    '$x$',
+    '...',
+)
+
+
+def _unicode_only(n) -> bool:
     "Whether normalizer `n` is none or only Unicode normal forms (which change nothing across a newline)"
     from tokenizers import normalizers as N
+
     return n is None or isinstance(n, (N.NFC, N.NFD, N.NFKC, N.NFKD))
 
-def _cut_safe(tok)->bool:
+
+def _cut_safe(tok) -> bool:
     "Whether `tok` encodes a text cut after a newline, before a non-space, as it encodes the text whole (on a probe of such cuts)"
-    if (r := getattr(tok, '_eagle3nb_cut_safe', None)) is not None: return r
+    if (r := getattr(tok, '_eagle3nb_cut_safe', None)) is not None:
+        return r
     bk, pairs = tok.backend_tokenizer, [(t, h) for t in _PROBE_TAILS for h in _PROBE_HEADS]
     whole = [e.ids for e in bk.encode_batch([t + h for t, h in pairs], add_special_tokens=False)]
-    part = {s: e.ids for s, e in zip(_PROBE_TAILS + _PROBE_HEADS, bk.encode_batch(list(_PROBE_TAILS + _PROBE_HEADS), add_special_tokens=False))}
+    part = {
+        s: e.ids
+        for s, e in zip(
+            _PROBE_TAILS + _PROBE_HEADS, bk.encode_batch(list(_PROBE_TAILS + _PROBE_HEADS), add_special_tokens=False)
+        )
+    }
     tok._eagle3nb_cut_safe = r = _unicode_only(bk.normalizer) and whole == [part[t] + part[h] for t, h in pairs]
     return r
 
-def _encode_offsets(tok, texts:list, offsets:bool=True)->list:
+
+def _encode_offsets(tok, texts: list, offsets: bool = True) -> list:
     "(ids, offsets) of each text, as `tok(texts, add_special_tokens=False, return_offsets_mapping=True)` gives them; offsets None if not `offsets`"
-    if not texts: return []
-    enc = tok(texts[:1], add_special_tokens=False, return_offsets_mapping=True)  # also sets the backend up as transformers does
+    if not texts:
+        return []
+    enc = tok(
+        texts[:1], add_special_tokens=False, return_offsets_mapping=True
+    )  # also sets the backend up as transformers does
     bk = tok.backend_tokenizer
     if bk.truncation is not None or bk.padding is not None:  # not the plain case: let transformers do it all
-        enc = tok(texts, add_special_tokens=False, return_offsets_mapping=True); return list(zip(enc['input_ids'], enc['offset_mapping']))
-    if not offsets: return [(e.ids, None) for e in bk.encode_batch_fast(texts, add_special_tokens=False)]
+        enc = tok(texts, add_special_tokens=False, return_offsets_mapping=True)
+        return list(zip(enc['input_ids'], enc['offset_mapping']))
+    if not offsets:
+        return [(e.ids, None) for e in bk.encode_batch_fast(texts, add_special_tokens=False)]
     return [(e.ids, e.offsets) for e in bk.encode_batch(texts, add_special_tokens=False)]
 
 # %% ../nbs/20_render.ipynb #33b94996
 import re
 from itertools import chain, compress, count
 
-def _searchable(tok)->bool:
+
+def _searchable(tok) -> bool:
     "Whether `tok` splits its added tokens out of a text where a leftmost-longest search for them finds them"
     at = tok.added_tokens_decoder
     return bool(at) and not any(a.lstrip or a.rstrip or a.single_word or a.normalized for a in at.values())
 
-def _encode_added(tok, texts:list)->list:
+
+def _encode_added(tok, texts: list) -> list:
     "(ids, added) per text: its ids and (start, end, index) of each added token in it"
     at = tok.added_tokens_decoder
     if texts and _searchable(tok) and getattr(tok.backend_tokenizer, 'encode_batch_fast', None):
         encs, out = _encode_offsets(tok, texts, offsets=False), []
-        seen = sorted(set(at).intersection(chain.from_iterable(ids for ids, _ in encs)), key=lambda i: -len(at[i].content))
-        rx, idof = re.compile('|'.join(re.escape(at[i].content) for i in seen) or '(?!)'), {at[i].content: i for i in seen}  # the added tokens the ids hold, longest first
+        seen = sorted(
+            set(at).intersection(chain.from_iterable(ids for ids, _ in encs)), key=lambda i: -len(at[i].content)
+        )
+        rx, idof = (
+            re.compile('|'.join(re.escape(at[i].content) for i in seen) or '(?!)'),
+            {at[i].content: i for i in seen},
+        )  # the added tokens the ids hold, longest first
         for t, (ids, _) in zip(texts, encs):
-            ms, ks = [(m.start(), m.end(), m.group()) for m in rx.finditer(t)], list(compress(count(), map(at.__contains__, ids)))
-            if len(ms) != len(ks) or any(ids[k] != idof[m] for k, (_, _, m) in zip(ks, ms)): break
+            ms, ks = (
+                [(m.start(), m.end(), m.group()) for m in rx.finditer(t)],
+                list(compress(count(), map(at.__contains__, ids))),
+            )
+            if len(ms) != len(ks) or any(ids[k] != idof[m] for k, (_, _, m) in zip(ks, ms)):
+                break
             out.append((ids, [(a, b, k) for (a, b, _), k in zip(ms, ks)]))
-        else: return out
-    return [(ids, [(*offs[k], k) for k in compress(count(), map(at.__contains__, ids))]) for ids, offs in _encode_offsets(tok, texts)]
+        else:
+            return out
+    return [
+        (ids, [(*offs[k], k) for k in compress(count(), map(at.__contains__, ids))])
+        for ids, offs in _encode_offsets(tok, texts)
+    ]
 
-def _encode_cut(tok, texts:list, end:str, # texts; the end-of-turn token
-                starts:tuple=())->list: # where a turn's content starts (`_CONTENT_AT`), cut there too if `_cut_safe`
+
+def _encode_cut(
+    tok,
+    texts: list,
+    end: str,  # texts; the end-of-turn token
+    starts: tuple = (),
+) -> list:  # where a turn's content starts (`_CONTENT_AT`), cut there too if `_cut_safe`
     "(ids, added) per text, encoded in pieces cut after `end`, each distinct piece once; added: (start, end, index) of its added tokens"
     starts = starts if starts and _cut_safe(tok) else ()
     cuts = [_cuts(t, end, starts) for t in texts]
@@ -478,178 +757,292 @@ def _encode_cut(tok, texts:list, end:str, # texts; the end-of-turn token
     for cs in cuts:
         ids, marks = [], []
         for a in cs[:-1]:
-            pid, pm = enc[pieces[k]]; k += 1
-            marks += [(s + a, e + a, n + len(ids)) for s, e, n in pm]; ids += pid
+            pid, pm = enc[pieces[k]]
+            k += 1
+            marks += [(s + a, e + a, n + len(ids)) for s, e, n in pm]
+            ids += pid
         out.append((ids, marks))
     return out
 
 # %% ../nbs/20_render.ipynb #4834c611
-def tokenize_groups(tok, gs:list, # groups from `plan_groups`
-                    fam:str):
+def tokenize_groups(
+    tok,
+    gs: list,  # groups from `plan_groups`
+    fam: str,
+):
     "Add `ids` and per event its token cut `t`, prompt window `loc`, `completion` ids and `whole` (window + completion) to each group"
-    if not gs: return
+    if not gs:
+        return
     texts = []
     for g, (ids, marks) in zip(gs, _encode_cut(tok, [g['text'] for g in gs], _END[fam], _CONTENT_AT.get(fam, ()))):
         ends = [e for _, e, _ in marks]
-        at = {s: n for s, _, n in marks} | {e: n + 1 for _, e, n in marks}  # token index at an added token's start and end
+        at = {s: n for s, _, n in marks} | {
+            e: n + 1 for _, e, n in marks
+        }  # token index at an added token's start and end
         g['ids'], g['tok'] = ids, []
         for e, pe, c in zip(g['events'], g['ends'], g['comps']):
             i = bisect_right(ends, pe) - 1
             s, t = (ends[i], marks[i][2] + 1) if i >= 0 else (0, 0)
             tp, tq, x = at.get(pe), at.get(pe + len(c)), dict(event=e, t=t)
-            if tp is not None and tq is not None: x.update(loc=ids[t:tp], completion=ids[tp:tq])
-            else: x['win'] = len(texts); texts += [g['text'][s:pe], g['text'][s:pe] + c, c]
+            if tp is not None and tq is not None:
+                x.update(loc=ids[t:tp], completion=ids[tp:tq])
+            else:
+                x['win'] = len(texts)
+                texts += [g['text'][s:pe], g['text'][s:pe] + c, c]
             g['tok'].append(x)
     W = _enc(tok, texts)
     for x in (x for g in gs for x in g['tok']):
-        if 'win' in x: x.update(loc=W[x['win']], whole=W[x['win'] + 1], completion=W[x['win'] + 2])
-        else: x['whole'] = x['loc'] + x['completion']
+        if 'win' in x:
+            x.update(loc=W[x['win']], whole=W[x['win'] + 1], completion=W[x['win'] + 2])
+        else:
+            x['whole'] = x['loc'] + x['completion']
 
 # %% ../nbs/20_render.ipynb #35e97d39
-def _token_groups(p:dict)->list|None:
+def _token_groups(p: dict) -> list | None:
     "Per group of plan `p`, its events split where the token ids do not continue; None at a token boundary that does not hold"
     out = []
     for g in p['groups']:
         ts = g['tok']
-        if any(x['loc'] + x['completion'] != x['whole'] for x in ts): return None
+        if any(x['loc'] + x['completion'] != x['whole'] for x in ts):
+            return None
         cur = [ts[0]]
         for d, e in zip(ts, ts[1:]):
             n = len(d['whole'])  # d's stream = ids[:d.t] + d.whole; e's prompt = ids[:e.t] + e.loc
-            seg = g['ids'][d['t']:d['t'] + n] if e['t'] - d['t'] >= n else g['ids'][d['t']:e['t']] + e['loc']
-            if seg[:n] == d['whole']: cur.append(e)
-            else: out.append((g, cur)); cur = [e]
+            seg = g['ids'][d['t'] : d['t'] + n] if e['t'] - d['t'] >= n else g['ids'][d['t'] : e['t']] + e['loc']
+            if seg[:n] == d['whole']:
+                cur.append(e)
+            else:
+                out.append((g, cur))
+                cur = [e]
         out.append((g, cur))
     return out
 
 # %% ../nbs/20_render.ipynb #bb9844f1
-def _plan_rows(c:dict, p:dict, sha:str, merge:bool)->list|None:
+def _plan_rows(c: dict, p: dict, sha: str, merge: bool) -> list | None:
     "Sample rows of planned conversation `c`, None where it must take the per-event path"
-    if (tg := _token_groups(p)) is None: return None
+    if (tg := _token_groups(p)) is None:
+        return None
     out = []
     for g, ts in tg:
         plen = [x['t'] + len(x['loc']) for x in ts]
-        row = lambda xs, ls: _sample(c, [p['events'][x['event']] for x in xs], xs[0]['event'], g['ids'][:xs[-1]['t']] + xs[-1]['loc'] + xs[-1]['completion'],
-                                     [[l, l + len(x['completion'])] for x, l in zip(xs, ls)], sha)
+        row = lambda xs, ls: _sample(
+            c,
+            [p['events'][x['event']] for x in xs],
+            xs[0]['event'],
+            g['ids'][: xs[-1]['t']] + xs[-1]['loc'] + xs[-1]['completion'],
+            [[l, l + len(x['completion'])] for x, l in zip(xs, ls)],
+            sha,
+        )
         stored = [l + len(x['completion']) for x, l in zip(ts, plen)]
-        if merge: out.append(row(ts, plen) | dict(stored_merged=stored[-1], stored_unmerged=sum(stored))); continue
-        out += [row([x], [l]) | dict(stored_unmerged=s, stored_merged=stored[-1] if k == 0 else 0) for k, (x, l, s) in enumerate(zip(ts, plen, stored))]
+        if merge:
+            out.append(row(ts, plen) | dict(stored_merged=stored[-1], stored_unmerged=sum(stored)))
+            continue
+        out += [
+            row([x], [l]) | dict(stored_unmerged=s, stored_merged=stored[-1] if k == 0 else 0)
+            for k, (x, l, s) in enumerate(zip(ts, plen, stored))
+        ]
     return out
 
 # %% ../nbs/20_render.ipynb #3b2eb068
-def template_sha256(tok)->str:
+def template_sha256(tok) -> str:
     "sha256 of the tokenizer's chat template text"
     return hashlib.sha256((tok.chat_template or '').encode()).hexdigest()
 
 # %% ../nbs/20_render.ipynb #3c934025
 def _rows(c, evs, sha, merge):
     "Sample rows and reject rows of one conversation"
-    out = [dict(sample_id=f"{c['sample_id']}-e{e['event']:02d}", conversation_id=c['sample_id'], dataset=c.get('dataset') or '',
-                kind=c.get('kind') or 'full', reject=e['reject']) for e in evs if 'reject' in e]
+    out = [
+        dict(
+            sample_id=f"{c['sample_id']}-e{e['event']:02d}",
+            conversation_id=c['sample_id'],
+            dataset=c.get('dataset') or '',
+            kind=c.get('kind') or 'full',
+            reject=e['reject'],
+        )
+        for e in evs
+        if 'reject' in e
+    ]
     merged = group_events(evs)
-    for g in (merged if merge else group_events(evs, merge=False)):
+    for g in merged if merge else group_events(evs, merge=False):
         s = group_sample(g, c, sha)
         s['stored_unmerged'] = sum(len(e['prompt_ids']) + len(e['completion_ids']) for e in g)
-        s['stored_merged'] = len(s['input_ids']) if merge else next((len(m[-1]['prompt_ids']) + len(m[-1]['completion_ids']) for m in merged if m[0] is g[0]), 0)
+        s['stored_merged'] = (
+            len(s['input_ids'])
+            if merge
+            else next((len(m[-1]['prompt_ids']) + len(m[-1]['completion_ids']) for m in merged if m[0] is g[0]), 0)
+        )
         out.append(s)
     return out
 
-def _blocker(tok, fam)->str:
+
+def _blocker(tok, fam) -> str:
     "Why `tok` cannot take the linear path at all, '' if it can"
-    if fam not in EMITTERS: return 'template family without an emitter'
-    if not getattr(tok, 'is_fast', False): return 'slow tokenizer (no offsets)'
-    if _END[fam] not in {t.content for t in tok.added_tokens_decoder.values()}: return f'{_END[fam]} is not an added token'
+    if fam not in EMITTERS:
+        return 'template family without an emitter'
+    if not getattr(tok, 'is_fast', False):
+        return 'slow tokenizer (no offsets)'
+    if _END[fam] not in {t.content for t in tok.added_tokens_decoder.values()}:
+        return f'{_END[fam]} is not an added token'
     return ''
 
-def _plan(c, tok, fam, thinking, blocker:str='')->dict:
+
+def _plan(c, tok, fam, thinking, blocker: str = '') -> dict:
     "`plan_groups` of `c`, or `{'fallback': why}` where the per-event path renders it"
-    if blocker: return dict(fallback=blocker)
-    try: return plan_groups(c, tok, fam, thinking)
-    except _PerEvent as e: return dict(fallback=str(e))
+    if blocker:
+        return dict(fallback=blocker)
+    try:
+        return plan_groups(c, tok, fam, thinking)
+    except _PerEvent as e:
+        return dict(fallback=str(e))
 
 # %% ../nbs/20_render.ipynb #efbed51d
 import gc
 from contextlib import contextmanager
 
+
 @contextmanager
 def _gc_paused():
     "The cyclic garbage collector off for the block, back on after it if it was on"
-    on = gc.isenabled(); gc.disable()
-    try: yield
+    on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
     finally:
-        if on: gc.enable()
+        if on:
+            gc.enable()
 
 # %% ../nbs/20_render.ipynb #9830ae9a
-def render_conversations(convs:list, tok, # canonical conversations; the target's tokenizer
-                         thinking:bool=True, merge:bool=True)->list: # per conversation: its reject rows, then its samples
+def render_conversations(
+    convs: list,
+    tok,  # canonical conversations; the target's tokenizer
+    thinking: bool = True,
+    merge: bool = True,
+) -> list:  # per conversation: its reject rows, then its samples
     "Sample rows and reject rows (with `reject`) for `convs`: one render per group where the template continues, per event elsewhere"
-    with _gc_paused(): return _render_conversations(convs, tok, thinking, merge)
+    with _gc_paused():
+        return _render_conversations(convs, tok, thinking, merge)
+
 
 def _render_conversations(convs, tok, thinking, merge):
     fam, sha = template_family(tok.chat_template), template_sha256(tok)
     why = _blocker(tok, fam)
-    plans = [dict(fallback='') if conversation_problem(c, tok) else _plan(c, tok, fam, thinking, why)
-             for c in convs]  # rejects: the per-event path says why
+    plans = [
+        dict(fallback='') if conversation_problem(c, tok) else _plan(c, tok, fam, thinking, why) for c in convs
+    ]  # rejects: the per-event path says why
     tokenize_groups(tok, [g for p in plans if 'groups' in p for g in p['groups']], fam)
-    out = {k: r for k, (c, p) in enumerate(zip(convs, plans)) if 'groups' in p and (r := _plan_rows(c, p, sha, merge)) is not None}
+    out = {
+        k: r
+        for k, (c, p) in enumerate(zip(convs, plans))
+        if 'groups' in p and (r := _plan_rows(c, p, sha, merge)) is not None
+    }
     slow = [k for k in range(len(convs)) if k not in out]
     per = [conversation_events(convs[k], tok, thinking) for k in slow]
     tokenize_events(tok, [e for evs in per for e in evs])
     for k, evs in zip(slow, per):
         out[k], p = _rows(convs[k], evs, sha, merge), plans[k]
-        p.setdefault('fallback', BOUNDARY); p['renders'] = sum('prompt' in e for e in evs)
+        p.setdefault('fallback', BOUNDARY)
+        p['renders'] = sum('prompt' in e for e in evs)
     for k, p in enumerate(plans):  # bookkeeping on each conversation's first row: how it was rendered
-        for i, r in enumerate(out[k]): r.update(fallback=p.get('fallback', '') if i == 0 else '', renders=p['renders'] if i == 0 else 0)
+        for i, r in enumerate(out[k]):
+            r.update(fallback=p.get('fallback', '') if i == 0 else '', renders=p['renders'] if i == 0 else 0)
     return [r for k in range(len(convs)) for r in out[k]]
 
 # %% ../nbs/20_render.ipynb #7c0807b5
 RENDER_VERSION = 1
 _TOKS = {}
 
-def load_tokenizer(target_dir, # the target model directory
-                   trust_remote_code:bool=False, # run the tokenizer code shipped with the model (real Kimi-K2 needs it)
-                  ):
+
+def load_tokenizer(
+    target_dir,  # the target model directory
+    trust_remote_code: bool = False,  # run the tokenizer code shipped with the model (real Kimi-K2 needs it)
+):
     "The target's tokenizer, loaded once per process"
     k = (str(Path(target_dir).absolute()), bool(trust_remote_code))
     if k not in _TOKS:
         from transformers import AutoTokenizer
+
         _TOKS[k] = AutoTokenizer.from_pretrained(k[0], trust_remote_code=k[1])
     return _TOKS[k]
 
-def tokenizer_sha256(target_dir)->str:
+
+def tokenizer_sha256(target_dir) -> str:
     "sha256 over the target's tokenizer and chat-template files"
     h = hashlib.sha256()
     for f in sorted(Path(target_dir).glob('*')):
-        if f.is_file() and (f.name.startswith(('tokenizer', 'special_tokens', 'chat_template')) or f.suffix in ('.tiktoken', '.model')):
-            h.update(f.name.encode()); h.update(f.read_bytes())
+        if f.is_file() and (
+            f.name.startswith(('tokenizer', 'special_tokens', 'chat_template')) or f.suffix in ('.tiktoken', '.model')
+        ):
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
     return h.hexdigest()
 
 # %% ../nbs/20_render.ipynb #cf6d73c8
-def chat_tokenizer(target_dir, # the target model directory
-                   trust_remote_code:bool=False, # as `load_tokenizer`
-                  ):
+def chat_tokenizer(
+    target_dir,  # the target model directory
+    trust_remote_code: bool = False,  # as `load_tokenizer`
+):
     "`load_tokenizer(target_dir)`, or `ValueError` naming the target when its tokenizer has no chat template"
     tok = load_tokenizer(target_dir, trust_remote_code)
     if not tok.chat_template:
-        raise ValueError(f"{target_dir}: the target has no chat template "
-                         "(no chat_template.jinja, and none in tokenizer_config.json), "
-                         "so no conversation can be rendered; "
-                         "give the target's own tokenizer files with their chat template")
+        raise ValueError(
+            f"{target_dir}: the target has no chat template "
+            "(no chat_template.jinja, and none in tokenizer_config.json), "
+            "so no conversation can be rendered; "
+            "give the target's own tokenizer files with their chat template"
+        )
     return tok
 
 # %% ../nbs/20_render.ipynb #a50509cc
 def features():
     "Columns of a rendered dataset, plus the bookkeeping ones (`reject`, `stored_*`, `fallback`, `renders`) dropped before saving"
     from datasets import Features, Sequence, Value
+
     s, i, b = Value('string'), Value('int32'), Value('bool')
-    return Features(sample_id=s, conversation_id=s, dataset=s, kind=s, input_ids=Sequence(i), loss_mask=Sequence(Value('int8')),
-                    spans=Sequence(Sequence(i)), prompt_tokens=i, completion_tokens=i, n_events=i, has_think=b, has_tools=b,
-                    prompt_only=b, template_sha256=s, reject=s, stored_merged=Value('int64'), stored_unmerged=Value('int64'),
-                    fallback=s, renders=i)
+    return Features(
+        sample_id=s,
+        conversation_id=s,
+        dataset=s,
+        kind=s,
+        input_ids=Sequence(i),
+        loss_mask=Sequence(Value('int8')),
+        spans=Sequence(Sequence(i)),
+        prompt_tokens=i,
+        completion_tokens=i,
+        n_events=i,
+        has_think=b,
+        has_tools=b,
+        prompt_only=b,
+        template_sha256=s,
+        reject=s,
+        stored_merged=Value('int64'),
+        stored_unmerged=Value('int64'),
+        fallback=s,
+        renders=i,
+    )
 
-_EMPTY = dict(input_ids=[], loss_mask=[], spans=[], prompt_tokens=0, completion_tokens=0, n_events=0, has_think=False,
-              has_tools=False, prompt_only=False, template_sha256='', reject='', stored_merged=0, stored_unmerged=0, fallback='', renders=0)
 
-def render_batch(batch:dict, target_dir:str, thinking:bool=True, merge:bool=True, trust_remote_code:bool=False)->dict:
+_EMPTY = dict(
+    input_ids=[],
+    loss_mask=[],
+    spans=[],
+    prompt_tokens=0,
+    completion_tokens=0,
+    n_events=0,
+    has_think=False,
+    has_tools=False,
+    prompt_only=False,
+    template_sha256='',
+    reject='',
+    stored_merged=0,
+    stored_unmerged=0,
+    fallback='',
+    renders=0,
+)
+
+
+def render_batch(
+    batch: dict, target_dir: str, thinking: bool = True, merge: bool = True, trust_remote_code: bool = False
+) -> dict:
     "`datasets.map(batched=True)` body: prepared rows (`schema.record_schema`) in, sample and reject rows out"
     tok = load_tokenizer(target_dir, trust_remote_code)
     convs = [from_record(dict(zip(batch, vs))) for vs in zip(*batch.values())]
@@ -657,141 +1050,256 @@ def render_batch(batch:dict, target_dir:str, thinking:bool=True, merge:bool=True
     return {k: [r[k] for r in rows] for k in features()}
 
 # %% ../nbs/20_render.ipynb #8ce798b3
-STAT_COLUMNS = ('reject', 'prompt_only', 'n_events', 'prompt_tokens', 'completion_tokens', 'has_think', 'has_tools',
-                'stored_merged', 'stored_unmerged', 'fallback', 'renders')
+STAT_COLUMNS = (
+    'reject',
+    'prompt_only',
+    'n_events',
+    'prompt_tokens',
+    'completion_tokens',
+    'has_think',
+    'has_tools',
+    'stored_merged',
+    'stored_unmerged',
+    'fallback',
+    'renders',
+)
 
-def render_stats(t, # rendered rows as a `pyarrow.Table` with `STAT_COLUMNS`
-                 merge:bool=True)->dict:
+
+def render_stats(
+    t,  # rendered rows as a `pyarrow.Table` with `STAT_COLUMNS`
+    merge: bool = True,
+) -> dict:
     "Counts, tokens, amplification (stored / supervised tokens, with and without merge) and per-event fallbacks of rendered rows"
     import pyarrow.compute as pc
+
     n = lambda x: int(pc.sum(x).as_py() or 0)
     rej = pc.not_equal(t['reject'], '')
-    ok = pc.invert(rej); po = pc.and_(ok, t['prompt_only']); full = pc.and_(ok, pc.invert(t['prompt_only']))
+    ok = pc.invert(rej)
+    po = pc.and_(ok, t['prompt_only'])
+    full = pc.and_(ok, pc.invert(t['prompt_only']))
     tot = lambda k, m=full: n(pc.filter(t[k], m))
     sup, tm, tu = tot('completion_tokens'), tot('stored_merged'), tot('stored_unmerged')
     fb = pc.not_equal(t['fallback'], '')
-    return dict(samples=n(ok), events=tot('n_events'), prompt_only=n(po), rejected=n(rej),
-                reject_reasons=dict(Counter(pc.filter(t['reject'], rej).to_pylist()).most_common()),
-                with_think=tot('has_think'), with_tools=tot('has_tools'),
-                tokens=dict(stored=tm if merge else tu, supervised=sup, merged=tm, unmerged=tu, prompt_only=tot('prompt_tokens', po)),
-                amplification=dict(merged=round(tm / sup, 4) if sup else None, unmerged=round(tu / sup, 4) if sup else None),
-                fallback=dict(conversations=n(fb), reasons=dict(Counter(pc.filter(t['fallback'], fb).to_pylist()).most_common())),
-                prompt_renders=n(t['renders']))
+    return dict(
+        samples=n(ok),
+        events=tot('n_events'),
+        prompt_only=n(po),
+        rejected=n(rej),
+        reject_reasons=dict(Counter(pc.filter(t['reject'], rej).to_pylist()).most_common()),
+        with_think=tot('has_think'),
+        with_tools=tot('has_tools'),
+        tokens=dict(
+            stored=tm if merge else tu, supervised=sup, merged=tm, unmerged=tu, prompt_only=tot('prompt_tokens', po)
+        ),
+        amplification=dict(merged=round(tm / sup, 4) if sup else None, unmerged=round(tu / sup, 4) if sup else None),
+        fallback=dict(
+            conversations=n(fb), reasons=dict(Counter(pc.filter(t['fallback'], fb).to_pylist()).most_common())
+        ),
+        prompt_renders=n(t['renders']),
+    )
 
-def _stat_table(rows:list):
+
+def _stat_table(rows: list):
     import pyarrow as pa
-    return pa.Table.from_pylist([{k: r.get(k, _EMPTY[k]) for k in STAT_COLUMNS} for r in rows], schema=pa.schema([features().arrow_schema.field(k) for k in STAT_COLUMNS]))
+
+    return pa.Table.from_pylist(
+        [{k: r.get(k, _EMPTY[k]) for k in STAT_COLUMNS} for r in rows],
+        schema=pa.schema([features().arrow_schema.field(k) for k in STAT_COLUMNS]),
+    )
 
 # %% ../nbs/20_render.ipynb #027de593
-def read_render_manifest(d)->dict|None:
+def read_render_manifest(d) -> dict | None:
     "The `render.json` of a rendered directory, None if it is not complete"
     from eagle3nb.recipe import read_json
-    p = Path(d)/'render.json'
-    try: return read_json(p) if p.exists() else None
-    except ValueError: return None  # damaged (not JSON, not UTF-8): not complete, so the dataset is rendered again
+
+    p = Path(d) / 'render.json'
+    try:
+        return read_json(p) if p.exists() else None
+    except ValueError:
+        return None  # damaged (not JSON, not UTF-8): not complete, so the dataset is rendered again
 
 
-def _render_params(prepared_dir, target_dir, thinking, merge, trust_remote_code)->dict:
+def _render_params(prepared_dir, target_dir, thinking, merge, trust_remote_code) -> dict:
     "What a rendered dataset depends on"
     from eagle3nb.prepare import read_manifest
+
     pm = read_manifest(prepared_dir)
-    if pm is None: raise FileNotFoundError(f"{prepared_dir}: no manifest.json; run `eagle3nb prepare` for this dataset first")
+    if pm is None:
+        raise FileNotFoundError(f"{prepared_dir}: no manifest.json; run `eagle3nb prepare` for this dataset first")
     tok = chat_tokenizer(target_dir, trust_remote_code)
-    return dict(render_version=RENDER_VERSION, dataset=pm['name'], prepared_sha256=pm['content_sha256'], tokenizer_sha256=tokenizer_sha256(target_dir),
-                template_sha256=template_sha256(tok), family=template_family(tok.chat_template), thinking=bool(thinking), merge=bool(merge))
+    return dict(
+        render_version=RENDER_VERSION,
+        dataset=pm['name'],
+        prepared_sha256=pm['content_sha256'],
+        tokenizer_sha256=tokenizer_sha256(target_dir),
+        template_sha256=template_sha256(tok),
+        family=template_family(tok.chat_template),
+        thinking=bool(thinking),
+        merge=bool(merge),
+    )
 
 # %% ../nbs/20_render.ipynb #d1fbc6cb
-def _write_jsonl(path:Path, rows):
+def _write_jsonl(path: Path, rows):
     "Write JSON lines to `path` atomically"
     with atomic_write(path) as f:
-        for r in rows: f.write(json.dumps(r, ensure_ascii=False) + '\n')
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + '\n')
 
-def _map_rows(ds, kw:dict, num_proc:int, batch_size:int, work:Path):
+
+def _map_rows(ds, kw: dict, num_proc: int, batch_size: int, work: Path):
     "Rendered rows (samples and rejects) of prepared rows `ds`, as Arrow files under `work`"
     from datasets import Dataset
-    if not len(ds): return Dataset.from_dict(render_batch({}, **kw), features=features())
-    return ds.map(render_batch, batched=True, batch_size=batch_size, num_proc=min(num_proc, len(ds)) if num_proc > 1 else None,
-                  remove_columns=ds.column_names, features=features(), fn_kwargs=kw, cache_file_name=str(work/'rows.arrow'), desc='render')
 
-def _save_rows(rows, d:Path, work:Path):
+    if not len(ds):
+        return Dataset.from_dict(render_batch({}, **kw), features=features())
+    return ds.map(
+        render_batch,
+        batched=True,
+        batch_size=batch_size,
+        num_proc=min(num_proc, len(ds)) if num_proc > 1 else None,
+        remove_columns=ds.column_names,
+        features=features(),
+        fn_kwargs=kw,
+        cache_file_name=str(work / 'rows.arrow'),
+        desc='render',
+    )
+
+
+def _save_rows(rows, d: Path, work: Path):
     "Sample rows of `rows` to `d` (`save_to_disk`), reject rows to `d/rejects.jsonl`"
-    pick = lambda ok: rows.filter(lambda r: [(x == '') == ok for x in r], input_columns='reject', batched=True, cache_file_name=str(work/f'{ok}.arrow'))
+    pick = lambda ok: rows.filter(
+        lambda r: [(x == '') == ok for x in r],
+        input_columns='reject',
+        batched=True,
+        cache_file_name=str(work / f'{ok}.arrow'),
+    )
     good = pick(True).remove_columns(['reject', 'stored_merged', 'stored_unmerged', 'fallback', 'renders'])
     good.save_to_disk(str(d), num_shards=None if len(good) else 1)  # datasets cannot load zero shards back
     bad = pick(False).select_columns(['sample_id', 'conversation_id', 'reject'])
-    _write_jsonl(d/'rejects.jsonl', (dict(sample_id=r['sample_id'], conversation_id=r['conversation_id'], reason=r['reject']) for r in bad))
+    _write_jsonl(
+        d / 'rejects.jsonl',
+        (dict(sample_id=r['sample_id'], conversation_id=r['conversation_id'], reason=r['reject']) for r in bad),
+    )
 
 # %% ../nbs/20_render.ipynb #3861048e
-def render_dataset(prepared_dir, # a prepared dataset directory (`eagle3nb.prepare`)
-                   target_dir,   # the target model directory (its tokenizer and chat template)
-                   out_dir,      # e.g. data/<recipe>/rendered/<dataset>
-                   thinking:bool=True, merge:bool=True,
-                   num_proc:int=2, batch_size:int=64, force:bool=False,
-                   trust_remote_code:bool=False)->dict: # the manifest
+def render_dataset(
+    prepared_dir,  # a prepared dataset directory (`eagle3nb.prepare`)
+    target_dir,  # the target model directory (its tokenizer and chat template)
+    out_dir,  # e.g. data/<recipe>/rendered/<dataset>
+    thinking: bool = True,
+    merge: bool = True,
+    num_proc: int = 2,
+    batch_size: int = 64,
+    force: bool = False,
+    trust_remote_code: bool = False,
+) -> dict:  # the manifest
     "Render a prepared dataset into `out_dir`: Arrow samples (`save_to_disk`), rejects.jsonl, render.json"
     from eagle3nb.prepare import load_prepared
-    params, out = (_render_params(prepared_dir, target_dir, thinking, merge, trust_remote_code),
-                   claim_output(out_dir, 'render'))
-    if not force and (m := read_render_manifest(out)) and m.get('params') == params: return m
+
+    params, out = (
+        _render_params(prepared_dir, target_dir, thinking, merge, trust_remote_code),
+        claim_output(out_dir, 'render'),
+    )
+    if not force and (m := read_render_manifest(out)) and m.get('params') == params:
+        return m
     t0, ds = time.time(), load_prepared(prepared_dir)
     with publishing(out, 'render') as tmp:
-        work = tmp/'.work'  # the map's Arrow files: inside our temp folder, so a killed run's go with it
+        work = tmp / '.work'  # the map's Arrow files: inside our temp folder, so a killed run's go with it
         work.mkdir()
         try:
-            kw = dict(target_dir=str(Path(target_dir).absolute()), thinking=thinking, merge=merge,
-                      trust_remote_code=trust_remote_code)
+            kw = dict(
+                target_dir=str(Path(target_dir).absolute()),
+                thinking=thinking,
+                merge=merge,
+                trust_remote_code=trust_remote_code,
+            )
             rows = _map_rows(ds, kw, num_proc, batch_size, work)
             stats = render_stats(rows.select_columns(list(STAT_COLUMNS)).data.table, merge)
             _save_rows(rows, tmp, work)
-            m = dict(name=out.name, prepared=str(prepared_dir), target=str(target_dir), params=params,
-                     conversations=len(ds),
-                     **stats, template_render=template_render(load_tokenizer(target_dir, trust_remote_code)),
-                     seconds=round(time.time() - t0, 3))
-            (tmp/'render.json').write_text(json.dumps(m, indent=1))
-        finally: shutil.rmtree(work, ignore_errors=True)
+            m = dict(
+                name=out.name,
+                prepared=str(prepared_dir),
+                target=str(target_dir),
+                params=params,
+                conversations=len(ds),
+                **stats,
+                template_render=template_render(load_tokenizer(target_dir, trust_remote_code)),
+                seconds=round(time.time() - t0, 3),
+            )
+            (tmp / 'render.json').write_text(json.dumps(m, indent=1))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     return m
 
 # %% ../nbs/20_render.ipynb #584f5225
-def read_conversations_jsonl(path)->list:
+def read_conversations_jsonl(path) -> list:
     "Canonical conversations from a JSON Lines file; missing ids, dataset and kind are filled in"
     out, stem = [], Path(path).stem
     with open(path, 'rb') as f:
         for i, (k, line) in enumerate((k, l) for k, l in enumerate(f, 1) if l.strip()):
-            try: c = json.loads(line); c = from_record(c) if isinstance(c.get('messages'), str) else c
-            except (ValueError, AttributeError, RecursionError): c = dict(messages=None, unreadable=f'line {k} is not a JSON conversation object')
+            try:
+                c = json.loads(line)
+                c = from_record(c) if isinstance(c.get('messages'), str) else c
+            except (ValueError, AttributeError, RecursionError):
+                c = dict(messages=None, unreadable=f'line {k} is not a JSON conversation object')
             out.append({'sample_id': _sample_id(stem, i), 'dataset': stem, 'kind': 'full', 'tools': [], **c})
     return out
 
 # %% ../nbs/20_render.ipynb #c2f91d52
-def render_jsonl(target_dir, # the target model directory
-                 input_jsonl, # canonical conversations, one a line
-                 out_dir,     # receives samples.jsonl and rejects.jsonl
-                 thinking:bool=True, merge:bool=True, trust_remote_code:bool=False)->dict: # counts, tokens, amplification
+def render_jsonl(
+    target_dir,  # the target model directory
+    input_jsonl,  # canonical conversations, one a line
+    out_dir,  # receives samples.jsonl and rejects.jsonl
+    thinking: bool = True,
+    merge: bool = True,
+    trust_remote_code: bool = False,
+) -> dict:  # counts, tokens, amplification
     "Render canonical conversations to `out_dir/samples.jsonl`: sample_id, input_ids, loss_mask, spans per line"
-    if not Path(input_jsonl).is_file(): raise FileNotFoundError(f"{input_jsonl}: no such conversations file (JSON lines)")
+    if not Path(input_jsonl).is_file():
+        raise FileNotFoundError(f"{input_jsonl}: no such conversations file (JSON lines)")
     out = claim_output(out_dir, 'render')
     t0, tok = time.time(), chat_tokenizer(model_dir(target_dir), trust_remote_code)
     rows = render_conversations(read_conversations_jsonl(input_jsonl), tok, thinking, merge)
     keys = ('sample_id', 'input_ids', 'loss_mask', 'spans')
     with publishing(out, 'render') as tmp:
-        _write_jsonl(tmp/'samples.jsonl', ({k: r[k] for k in keys} for r in rows if 'reject' not in r))
-        _write_jsonl(tmp/'rejects.jsonl',
-                     (dict(sample_id=r['sample_id'], reason=r['reject']) for r in rows if 'reject' in r))
-    return dict(out=str(out), template_sha256=template_sha256(tok), **render_stats(_stat_table(rows), merge), template_render=template_render(tok),
-                seconds=round(time.time() - t0, 3))
+        _write_jsonl(tmp / 'samples.jsonl', ({k: r[k] for k in keys} for r in rows if 'reject' not in r))
+        _write_jsonl(
+            tmp / 'rejects.jsonl', (dict(sample_id=r['sample_id'], reason=r['reject']) for r in rows if 'reject' in r)
+        )
+    return dict(
+        out=str(out),
+        template_sha256=template_sha256(tok),
+        **render_stats(_stat_table(rows), merge),
+        template_render=template_render(tok),
+        seconds=round(time.time() - t0, 3),
+    )
 
 # %% ../nbs/20_render.ipynb #7a2cf76f
-def catalog_rows(rendered_dir, # a rendered dataset directory (`render_dataset`)
-                 prepared_dir=None, # its prepared dataset, for `n_turns`
-                ):         # pyarrow.Table with the catalog's sample columns
+def catalog_rows(
+    rendered_dir,  # a rendered dataset directory (`render_dataset`)
+    prepared_dir=None,  # its prepared dataset, for `n_turns`
+):  # pyarrow.Table with the catalog's sample columns
     "Catalog columns of every sample of a rendered dataset"
     import pyarrow as pa, pyarrow.compute as pc
     from datasets import load_from_disk
+
     t = load_from_disk(str(rendered_dir)).data.table
-    keep = ['sample_id', 'conversation_id', 'dataset', 'kind', 'n_events', 'prompt_tokens', 'completion_tokens', 'has_think', 'has_tools']
+    keep = [
+        'sample_id',
+        'conversation_id',
+        'dataset',
+        'kind',
+        'n_events',
+        'prompt_tokens',
+        'completion_tokens',
+        'has_think',
+        'has_tools',
+    ]
     out = t.select(keep).append_column('total_tokens', pc.list_value_length(t['input_ids']).cast(pa.int32()))
-    if prepared_dir is None: return out
+    if prepared_dir is None:
+        return out
     from eagle3nb.prepare import load_prepared
+
     p = load_prepared(prepared_dir).data.table
     turns = pa.table(dict(conversation_id=p['sample_id'], n_turns=pc.list_value_length(p['messages']).cast(pa.int32())))
     return out.join(turns, 'conversation_id', join_type='left outer').sort_by('sample_id')

@@ -17,52 +17,73 @@ from tqdm.auto import tqdm
 import nbformat
 from nbformat.v4 import new_notebook, new_code_cell, new_markdown_cell
 import eagle3nb
-from .recipe import (Recipe, RecipeError, load_recipe, save_recipe, recipe_dict, fingerprint, one_name, model_dir,
-                             check_aux_layers, aux_rule)
+from eagle3nb.recipe import (
+    Recipe,
+    RecipeError,
+    load_recipe,
+    save_recipe,
+    recipe_dict,
+    fingerprint,
+    one_name,
+    model_dir,
+    check_aux_layers,
+    aux_rule,
+)
 from .server import hold_lock, owned_by, reap_leftovers
 from .target import target_session
 
 # %% ../nbs/98_runner.ipynb #176be0a2
-def repo_root(start=None)->Path:
+def repo_root(start=None) -> Path:
     "The repository root: the first directory up from `start` (default: cwd, then the package) with `nbs/phases`"
     for d in [Path(start or os.getcwd()).resolve(), Path(eagle3nb.__file__).resolve().parent.parent]:
         for p in [d, *d.parents]:
-            if (p/'nbs'/'phases').is_dir(): return p
+            if (p / 'nbs' / 'phases').is_dir():
+                return p
     raise FileNotFoundError("no nbs/phases/ found above the current directory; run eagle3nb from the repository root")
 
-def phase_notebooks(phases_dir)->dict:
+
+def phase_notebooks(phases_dir) -> dict:
     "Phase notebooks by stem (`00_target_check`), in run order"
     nbs = sorted(p for p in Path(phases_dir).glob('[0-9]*_*.ipynb') if not p.name.startswith(('_', '.')))
     return {p.stem: p for p in nbs}
 
-def phase_key(stem:str)->str:
+
+def phase_key(stem: str) -> str:
     "The recipe's name for a phase: `00_target_check` -> `target_check`"
     return stem.split('_', 1)[1]
 
 # %% ../nbs/98_runner.ipynb #91f8f8cf
-def select_phases(available:dict, # stem -> notebook path, from `phase_notebooks`
-                  wanted=None,    # list of names or stems; None runs them all
-                 )->list:
+def select_phases(
+    available: dict,  # stem -> notebook path, from `phase_notebooks`
+    wanted=None,  # list of names or stems; None runs them all
+) -> list:
     "Stems of the wanted phases, in run order"
-    if wanted is None: return list(available)
+    if wanted is None:
+        return list(available)
     if not wanted or any(not str(w).strip() for w in wanted):
-        raise RecipeError(f"--phases {','.join(wanted)!r} names an empty phase; give comma-separated phases "
-                          f"(phases: {', '.join(map(phase_key, available))}), or leave --phases out to run them all")
+        raise RecipeError(
+            f"--phases {','.join(wanted)!r} names an empty phase; give comma-separated phases "
+            f"(phases: {', '.join(map(phase_key, available))}), or leave --phases out to run them all"
+        )
     wanted = [w.strip() for w in wanted]
     by = {**{phase_key(s): s for s in available}, **{s: s for s in available}}
     bad = [w for w in wanted if w not in by]
-    if bad: raise RecipeError(f"unknown phase(s) {', '.join(bad)}; phases: {', '.join(map(phase_key, available))}")
+    if bad:
+        raise RecipeError(f"unknown phase(s) {', '.join(bad)}; phases: {', '.join(map(phase_key, available))}")
     return [s for s in available if s in {by[w] for w in wanted}]
 
 # %% ../nbs/98_runner.ipynb #47079a8e
-_KINDS = dict(int=('an int', lambda v: isinstance(v, int) and not isinstance(v, bool)),
-              float=('a float', lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
-              bool=('a bool (true or false)', lambda v: isinstance(v, bool)),
-              str=('a str', lambda v: isinstance(v, str)),
-              list=('a list', lambda v: isinstance(v, list)),
-              dict=('a dict (a mapping)', lambda v: isinstance(v, dict)))
+_KINDS = dict(
+    int=('an int', lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    float=('a float', lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    bool=('a bool (true or false)', lambda v: isinstance(v, bool)),
+    str=('a str', lambda v: isinstance(v, str)),
+    list=('a list', lambda v: isinstance(v, list)),
+    dict=('a dict (a mapping)', lambda v: isinstance(v, dict)),
+)
 
-def _split_union(t:str)->list:
+
+def _split_union(t: str) -> list:
     "`'list[int]|None'` -> `['list[int]', 'None']`, splitting on `|` outside brackets"
     parts, depth, cur = [], 0, ''
     for ch in t:
@@ -70,13 +91,18 @@ def _split_union(t:str)->list:
         if ch == '|' and depth == 0:
             parts.append(cur)
             cur = ''
-        else: cur += ch
+        else:
+            cur += ch
     return parts + [cur]
 
-def _declared(type_name:str)->tuple|None: # (kinds, element kind of a list or None, None allowed); None: not checked
+
+def _declared(
+    type_name: str,
+) -> tuple | None:  # (kinds, element kind of a list or None, None allowed); None: not checked
     "What a parameter's declared type accepts: `'int'`, `'str|None'`, `'Optional[float]'`, `'list[str]'`"
     t = (type_name or '').replace(' ', '').replace('typing.', '')
-    if t.startswith('Optional[') and t.endswith(']'): t = t[len('Optional['):-1] + '|None'
+    if t.startswith('Optional[') and t.endswith(']'):
+        t = t[len('Optional[') : -1] + '|None'
     kinds, elem, none = [], None, False
     for p in _split_union(t):
         base, _, inner = p.partition('[')
@@ -84,17 +110,22 @@ def _declared(type_name:str)->tuple|None: # (kinds, element kind of a list or No
         if base in ('none', 'nonetype'):
             none = True
             continue
-        if base not in _KINDS: return None  # no annotation (papermill says 'None'), Any, Path, ...: not ours to judge
+        if base not in _KINDS:
+            return None  # no annotation (papermill says 'None'), Any, Path, ...: not ours to judge
         kinds.append(base)
-        if base == 'list' and inner.rstrip(']').lower() in _KINDS: elem = inner.rstrip(']').lower()
+        if base == 'list' and inner.rstrip(']').lower() in _KINDS:
+            elem = inner.rstrip(']').lower()
     return (kinds, elem, none) if kinds else None
 
-def param_problem(value,       # the recipe's value
-                  decl:dict,   # the parameter as `papermill.inspect_notebook` gives it: inferred_type_name, default
-                 )->str|None:  # why `value` does not fit, else None
+
+def param_problem(
+    value,  # the recipe's value
+    decl: dict,  # the parameter as `papermill.inspect_notebook` gives it: inferred_type_name, default
+) -> str | None:  # why `value` does not fit, else None
     "Does a recipe value fit the type its phase notebook declares for it?"
     d = _declared(decl.get('inferred_type_name'))
-    if d is None: return None
+    if d is None:
+        return None
     kinds, elem, none = d
     if value is None:
         return None if none or str(decl.get('default')).strip() == 'None' else f"null is not {_KINDS[kinds[0]][0]}"
@@ -104,138 +135,195 @@ def param_problem(value,       # the recipe's value
         return f"{bad[0]!r} in {value!r} is not {_KINDS[elem][0]}"
     return None
 
-def _number_hint(value, decl)->str:
-    "How to write a number YAML read as text"
-    try: float(value)
-    except (TypeError, ValueError): return ''
-    if 'e' in value.lower() and '.' not in value:
-        return (f"; YAML reads {value} as text: write it with a dot, "
-                f"e.g. {value.lower().replace('e', '.0e', 1)}")
-    return '; write the number without quotes'
 
+def _number_hint(value, decl) -> str:
+    "How to write a number YAML read as text"
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return ''
+    if 'e' in value.lower() and '.' not in value:
+        return f"; YAML reads {value} as text: write it with a dot, e.g. {value.lower().replace('e', '.0e', 1)}"
+    return '; write the number without quotes'
 
 # %% ../nbs/98_runner.ipynb #3f2430a5
 RESERVED = ('recipe', 'run_dir')  # set by the runner, never by the recipe
 
-def check_phase_params(nb:Path, # phase notebook
-                       params:dict, # the recipe's `phases.<name>` dict
-                      ):
-    ("Raise `RecipeError` naming each recipe key that is not a parameter of `nb`, "
-     "or whose value is not of its declared type")
+
+def check_phase_params(
+    nb: Path,  # phase notebook
+    params: dict,  # the recipe's `phases.<name>` dict
+):
+    "Raise `RecipeError` naming each recipe key that is not a parameter of `nb`, or whose value is not of its declared type"
     known = pm.inspect_notebook(str(nb))
     key = phase_key(nb.stem)
     bad = []
     for k, v in params.items():
-        if k in RESERVED: raise RecipeError(f"phases.{key}.{k}: set by the runner, not by the recipe")
-        if k not in known: raise RecipeError(f"phases.{key}.{k}: not a parameter of {nb.name} (its parameters: {', '.join(known)})")
+        if k in RESERVED:
+            raise RecipeError(f"phases.{key}.{k}: set by the runner, not by the recipe")
+        if k not in known:
+            raise RecipeError(f"phases.{key}.{k}: not a parameter of {nb.name} (its parameters: {', '.join(known)})")
         why = param_problem(v, known[k])
         if why:
             decl = f"{nb.name} declares {k}: {known[k]['inferred_type_name']} = {known[k]['default']}"
             hint = _number_hint(v, known[k]) if isinstance(v, str) else ''
             bad.append(f"phases.{key}.{k}: {why} ({decl}){hint}")
-    if bad: raise RecipeError('; '.join(bad))
+    if bad:
+        raise RecipeError('; '.join(bad))
 
 # %% ../nbs/98_runner.ipynb #a189acf1
-def _write_nb(path, params_src:str, body:list):
+def _write_nb(path, params_src: str, body: list):
     "A phase notebook with a `parameters` cell (for tests and examples)"
-    nb = new_notebook(cells=[new_markdown_cell(f'# {Path(path).stem}'), new_code_cell(params_src, metadata={'tags': ['parameters']}),
-                             *[new_code_cell(b) for b in body]])
+    nb = new_notebook(
+        cells=[
+            new_markdown_cell(f'# {Path(path).stem}'),
+            new_code_cell(params_src, metadata={'tags': ['parameters']}),
+            *[new_code_cell(b) for b in body],
+        ]
+    )
     nb.metadata['kernelspec'] = {'name': 'python3', 'display_name': 'Python 3', 'language': 'python'}
-    Path(path).parent.mkdir(parents=True, exist_ok=True); nbformat.write(nb, str(path))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, str(path))
 
 # %% ../nbs/98_runner.ipynb #f94d76df
-def _data_root_problem(d:Path)->str|None:
-    if d.exists(): return None if d.is_dir() else f"data_root: {d} is a file; give a folder (it is made if missing)"
+def _data_root_problem(d: Path) -> str | None:
+    if d.exists():
+        return None if d.is_dir() else f"data_root: {d} is a file; give a folder (it is made if missing)"
     a = next(p for p in d.parents if p.exists())
-    if not a.is_dir() or not os.access(a, os.W_OK): return f"data_root: {d} cannot be made: {a} is {'a file' if not a.is_dir() else 'not writable'}"
+    if not a.is_dir() or not os.access(a, os.W_OK):
+        return f"data_root: {d} cannot be made: {a} is {'a file' if not a.is_dir() else 'not writable'}"
 
-def _catalog_problem(p:Path)->str|None:
+
+def _catalog_problem(p: Path) -> str | None:
     if p.exists():
-        return (f"catalog: {p} is a folder; give the path of a DuckDB file (it is made if missing)" if p.is_dir()
-                else None)
+        return (
+            f"catalog: {p} is a folder; give the path of a DuckDB file (it is made if missing)" if p.is_dir() else None
+        )
     a = next(q for q in p.parents if q.exists())
-    if not a.is_dir(): return f"catalog: {p} cannot be made: {a} is a file, not a folder; give a path in a folder"
+    if not a.is_dir():
+        return f"catalog: {p} cannot be made: {a} is a file, not a folder; give a path in a folder"
     if not os.access(a, os.W_OK):
         return f"catalog: {p} cannot be made: {a} is not writable; give a path in a folder you can write"
 
-def _aux_problem(r:Recipe, local:bool)->str|None:
+
+def _aux_problem(r: Recipe, local: bool) -> str | None:
     "`target.aux_layers` against `check_aux_layers`, and against the target's depth when its config.json is here"
-    if r.target.aux_layers is None: return None
-    cf, n = Path(r.target.model or '')/'config.json', None
+    if r.target.aux_layers is None:
+        return None
+    cf, n = Path(r.target.model or '') / 'config.json', None
     if local and r.target.model and cf.is_file():
         try:
             c = json.loads(cf.read_text())
             n = int(c.get('text_config', c)['num_hidden_layers'])
         except (OSError, ValueError, KeyError, TypeError):  # a config we cannot read: the target check says why
             n = None
-    try: check_aux_layers(r.target.aux_layers, n, 'target.aux_layers')
-    except RecipeError as e: return str(e)
+    try:
+        check_aux_layers(r.target.aux_layers, n, 'target.aux_layers')
+    except RecipeError as e:
+        return str(e)
 
-def _dataset_problems(r:Recipe, paths:bool=True)->list:
+
+def _dataset_problems(r: Recipe, paths: bool = True) -> list:
     from eagle3nb.schema import ADAPTERS
     from eagle3nb import adapters, agent_adapters  # registers every format
+
     fmts = ', '.join(sorted(k for k in ADAPTERS if not k.startswith('_')))
-    return [p for i, d in enumerate(r.datasets) for p in (
-        None if d.format in ADAPTERS else f"datasets[{i}].format: unknown format {d.format!r}; formats: {fmts}",
-        None if not paths or Path(d.path).exists() else f"datasets[{i}].path: {d.path} does not exist; give a local file or folder") if p]
+    return [
+        p
+        for i, d in enumerate(r.datasets)
+        for p in (
+            None if d.format in ADAPTERS else f"datasets[{i}].format: unknown format {d.format!r}; formats: {fmts}",
+            None
+            if not paths or Path(d.path).exists()
+            else f"datasets[{i}].path: {d.path} does not exist; give a local file or folder",
+        )
+        if p
+    ]
 
 # %% ../nbs/98_runner.ipynb #efaf2f22
-def check_recipe(r:Recipe,              # a resolved recipe (`load_recipe`)
-                 root=None,             # repository root (its nbs/phases)
-                 datasets:bool=True,    # check formats and dataset paths too
-                 local:bool=True,       # paths must exist here: datasets, data_root, target (False: a recipe for another machine)
-                )->list:                # problems, one line each, naming the key; empty when all is well
+def check_recipe(
+    r: Recipe,  # a resolved recipe (`load_recipe`)
+    root=None,  # repository root (its nbs/phases)
+    datasets: bool = True,  # check formats and dataset paths too
+    local: bool = True,  # paths must exist here: datasets, data_root, target (False: a recipe for another machine)
+) -> list:  # problems, one line each, naming the key; empty when all is well
     "What can be checked in a recipe without running anything"
     ps = _dataset_problems(r, paths=local) if datasets else []
-    by = {phase_key(s): nb for s, nb in phase_notebooks(repo_root(root)/'nbs'/'phases').items()}
+    by = {phase_key(s): nb for s, nb in phase_notebooks(repo_root(root) / 'nbs' / 'phases').items()}
     for k, params in r.phases.items():
-        if k not in by: ps.append(f"phases.{k}: not a phase; phases: {', '.join(by)}"); continue
-        try: check_phase_params(by[k], params)
-        except RecipeError as e: ps.append(str(e))
-    if local: ps += [_data_root_problem(Path(r.data_root)), _catalog_problem(Path(r.catalog))]
+        if k not in by:
+            ps.append(f"phases.{k}: not a phase; phases: {', '.join(by)}")
+            continue
+        try:
+            check_phase_params(by[k], params)
+        except RecipeError as e:
+            ps.append(str(e))
+    if local:
+        ps += [_data_root_problem(Path(r.data_root)), _catalog_problem(Path(r.catalog))]
     ps.append(_aux_problem(r, local))
     if local and not r.target.toy:
-        try: model_dir(r.target.model, 'target.model')
-        except FileNotFoundError as e: ps.append(str(e))
+        try:
+            model_dir(r.target.model, 'target.model')
+        except FileNotFoundError as e:
+            ps.append(str(e))
     return [p for p in ps if p]
 
 # %% ../nbs/98_runner.ipynb #fee6f584
-def load_state(run_dir)->dict:
+def load_state(run_dir) -> dict:
     "The run's state (`run.json`), empty for a new run"
-    p = Path(run_dir)/'run.json'
+    p = Path(run_dir) / 'run.json'
     return json.loads(p.read_text()) if p.exists() else {'phases': {}}
 
-def save_state(run_dir, state:dict):
+
+def save_state(run_dir, state: dict):
     "Write `run.json` atomically"
     from eagle3nb.recipe import atomic_write  # a fresh temp name beside it: never a user's `.run.json.tmp`
-    with atomic_write(Path(run_dir)/'run.json') as f: f.write(json.dumps(state, indent=1))
 
-def set_aside(record:Path, why:str='failed')->Path|None:
+    with atomic_write(Path(run_dir) / 'run.json') as f:
+        f.write(json.dumps(state, indent=1))
+
+
+def set_aside(record: Path, why: str = 'failed') -> Path | None:
     "Move an existing record to `<stem>.<why>-K.ipynb` (first free K); records are never overwritten"
-    if not record.exists(): return None
+    if not record.exists():
+        return None
     k = 1
-    while (dst := record.with_name(f'{record.stem}.{why}-{k}.ipynb')).exists(): k += 1
-    record.rename(dst); return dst
+    while (dst := record.with_name(f'{record.stem}.{why}-{k}.ipynb')).exists():
+        k += 1
+    record.rename(dst)
+    return dst
 
 # %% ../nbs/98_runner.ipynb #d6b74f99
 def _quiet_asyncio():
     "After a Ctrl-C, the kernel client's abandoned tasks would print 'Task exception was never retrieved' at exit"
     import logging
+
     logging.getLogger('asyncio').setLevel(logging.CRITICAL)
+
 
 class PhaseFailed(RuntimeError):
     "A phase notebook raised; the message names the phase, the cell and the record"
 
-def execute_phase(nb:Path,       # phase notebook
-                  record:Path,   # where the executed copy goes
-                  params:dict,   # parameters injected after the `parameters` cell
-                  stream=True,   # stream cell output to this process's stdout/stderr
-                 ):
+
+def execute_phase(
+    nb: Path,  # phase notebook
+    record: Path,  # where the executed copy goes
+    params: dict,  # parameters injected after the `parameters` cell
+    stream=True,  # stream cell output to this process's stdout/stderr
+):
     "Execute `nb` into `record` with papermill"
     try:
-        pm.execute_notebook(str(nb), str(record), parameters=params, cwd=str(nb.parent), kernel_name='python3',
-                            progress_bar=False, request_save_on_cell_execute=True,
-                            stdout_file=sys.stdout if stream else None, stderr_file=sys.stderr if stream else None)
+        pm.execute_notebook(
+            str(nb),
+            str(record),
+            parameters=params,
+            cwd=str(nb.parent),
+            kernel_name='python3',
+            progress_bar=False,
+            request_save_on_cell_execute=True,
+            stdout_file=sys.stdout if stream else None,
+            stderr_file=sys.stderr if stream else None,
+        )
     except KeyboardInterrupt:
         _quiet_asyncio()
         raise
@@ -245,157 +333,284 @@ def execute_phase(nb:Path,       # phase notebook
             _quiet_asyncio()
             raise KeyboardInterrupt() from None
         from nbclient.exceptions import DeadKernelError
+
         if isinstance(e, DeadKernelError):  # killed under us: the OOM killer, a scheduler, kill -9
-            raise PhaseFailed(f"phase {nb.stem}: its kernel died ({str(e).strip() or 'Kernel died'}: "
-                              "out of memory, or killed?); "
-                              f"record so far: {record}; free memory (or lower the phase's batch sizes), "
-                              "then rerun") from None
-        if not isinstance(e, PapermillExecutionError): raise
-        raise PhaseFailed(f"phase {nb.stem} failed in cell {e.cell_index} (execution count {e.exec_count}): "
-                          f"{e.ename}: {e.evalue}\n  record: {record}") from None
+            raise PhaseFailed(
+                f"phase {nb.stem}: its kernel died ({str(e).strip() or 'Kernel died'}: "
+                "out of memory, or killed?); "
+                f"record so far: {record}; free memory (or lower the phase's batch sizes), "
+                "then rerun"
+            ) from None
+        if not isinstance(e, PapermillExecutionError):
+            raise
+        raise PhaseFailed(
+            f"phase {nb.stem} failed in cell {e.cell_index} (execution count {e.exec_count}): "
+            f"{e.ename}: {e.evalue}\n  record: {record}"
+        ) from None
 
 # %% ../nbs/98_runner.ipynb #7f4d63a0
 SERVED = {'target_check', 'generate', 'serve_bench'}  # phases that talk to the target's endpoint
 
+
 def _vllm_target(model_dir, log_path=None):
     "vLLM serving `model_dir` alone, its context the model's own (capped at 8192 tokens: the KV cache of a CPU toy)"
     from eagle3nb.engine import VllmServer
-    c = json.loads((Path(model_dir)/'config.json').read_text()); c = c.get('text_config', c)
-    return VllmServer(model_dir, log_path=log_path, max_model_len=min(int(c.get('max_position_embeddings') or 2048), 8192))
 
-def local_server(r:Recipe): # a server factory for `target_session`; None means its default, `transformers serve`
+    c = json.loads((Path(model_dir) / 'config.json').read_text())
+    c = c.get('text_config', c)
+    return VllmServer(
+        model_dir, log_path=log_path, max_model_len=min(int(c.get('max_position_embeddings') or 2048), 8192)
+    )
+
+
+def local_server(r: Recipe):  # a server factory for `target_session`; None means its default, `transformers serve`
     "What serves the target when the recipe lists no endpoints: `target.engine`, else vLLM when installed, else transformers"
     from eagle3nb.engine import engine_available
-    if r.target.engine == 'transformers' or (r.target.engine is None and not engine_available()): return None
-    if not engine_available(): raise RecipeError("target.engine: vllm, but no vLLM is installed here: run `make engine`, "
-                                                 "or set EAGLE3NB_VLLM to a vLLM venv or its python")
+
+    if r.target.engine == 'transformers' or (r.target.engine is None and not engine_available()):
+        return None
+    if not engine_available():
+        raise RecipeError(
+            "target.engine: vllm, but no vLLM is installed here: run `make engine`, "
+            "or set EAGLE3NB_VLLM to a vLLM venv or its python"
+        )
     return _vllm_target
 
 # %% ../nbs/98_runner.ipynb #fbeb2106
-def _sum(xs): return sum(x or 0 for x in xs)
+def _sum(xs):
+    return sum(x or 0 for x in xs)
+
 
 HEADLINES = {  # phase key -> (json file in the run folder, its one-line result)
-    'target_check': ('target_check', lambda j: f"{j['summary']['architecture']}, aux layers {j['summary']['aux_layers']}, "
-                                               f"{_sum(c['ok'] for c in j['checks'])}/{len(j['checks'])} checks ok"),
-    'prepare': ('prepare', lambda j: f"{len(j)} datasets: {_sum(m['kept'] for m in j.values())} conversations kept, "
-                                     f"{_sum(m['rejected'] for m in j.values())} rejected"),
-    'render': ('render', lambda j: f"{_sum(m['samples'] for m in j.values())} samples, "
-                                   f"{_sum(m['tokens']['supervised'] for m in j.values()):,} supervised tokens"),
+    'target_check': (
+        'target_check',
+        lambda j: (
+            f"{j['summary']['architecture']}, aux layers {j['summary']['aux_layers']}, "
+            f"{_sum(c['ok'] for c in j['checks'])}/{len(j['checks'])} checks ok"
+        ),
+    ),
+    'prepare': (
+        'prepare',
+        lambda j: (
+            f"{len(j)} datasets: {_sum(m['kept'] for m in j.values())} conversations kept, "
+            f"{_sum(m['rejected'] for m in j.values())} rejected"
+        ),
+    ),
+    'render': (
+        'render',
+        lambda j: (
+            f"{_sum(m['samples'] for m in j.values())} samples, "
+            f"{_sum(m['tokens']['supervised'] for m in j.values()):,} supervised tokens"
+        ),
+    ),
     'catalog': ('catalog', lambda j: f"{_sum(s['samples'] for s in j['states'])} samples catalogued"),
-    'generate': ('generate', lambda j: f"{_sum(o['ok'] for o in j['outcomes'])} responses, "
-                                       f"{_sum(o['completion_tokens'] for o in j['outcomes']):,} tokens"),
+    'generate': (
+        'generate',
+        lambda j: (
+            f"{_sum(o['ok'] for o in j['outcomes'])} responses, "
+            f"{_sum(o['completion_tokens'] for o in j['outcomes']):,} tokens"
+        ),
+    ),
     'merge': ('merge', lambda j: f"corpus train {j['train']} / eval {j['eval']} samples"),
     'vocab': ('vocab', lambda j: f"draft vocab {j['draft_vocab']}, coverage {j['coverage']:.3f}"),
-    'extract': ('extract', lambda j: ', '.join(f"{x['mode']} {x['split']} {x['samples']} samples, {x['disk_bytes'] / 2**20:.1f} MiB" for x in j)),
-    'train': ('accept', lambda j: f"eval accept length {j['eval all']['accept_est']:.2f} (simulated {j['eval all']['accept_sim']:.2f}), "
-                                  "offline on the eval split's stored text; verify measures it served"),
+    'extract': (
+        'extract',
+        lambda j: ', '.join(
+            f"{x['mode']} {x['split']} {x['samples']} samples, {x['disk_bytes'] / 2**20:.1f} MiB" for x in j
+        ),
+    ),
+    'train': (
+        'accept',
+        lambda j: (
+            f"eval accept length {j['eval all']['accept_est']:.2f} (simulated {j['eval all']['accept_sim']:.2f}), "
+            "offline on the eval split's stored text; verify measures it served"
+        ),
+    ),
     'export': ('export', lambda j: f"{j['out']}: {'ok' if not j['problems'] else j['problems']}"),
-    'doctor': ('doctor', lambda j: 'nothing to check' if j['passed'] is None else 'all checks passed' if j['passed'] else
-                                   f"FAILED: {'; '.join(p['check'] for p in j['problems'])}"),
-    'serve_bench': ('serve_bench', lambda j: f"nothing to bench: {j['skipped']}" if j.get('skipped') else
-                    ('plumbing check, same server: ' if j['plumbing_check'] else '') + ', '.join(
-                        f"C={x['concurrency']} {x['out_tok_s']:.0f} tok/s, speedup {x['speedup']:.2f}" + (f", accept length {x['accept_len']:.2f}" if x.get('accept_len') else '')
-                        for x in j['rows'] if x['endpoint'] == 'speculative') + (f" (verify {j['verify_accept_length']:.2f})" if j.get('verify_accept_length') else '')
-                        + (' (vLLM; CPU toy tok/s is no guide to GPU speed-up)' if j.get('engine') == 'vllm' else '')),
-    'verify': ('verify', lambda j: f"nothing to verify: {j['skipped']}" if j.get('skipped') else
-               f"vLLM served accept length {j['accept_length']:.2f} (offline {j['offline_accept_length']:.2f}), greedy {j['greedy_identical']}/{j['n_prompts']} identical"
-               + (f", {j['distinct_tokens']}/{j['total_tokens']} distinct tokens" if j.get('total_tokens') else '')),
+    'doctor': (
+        'doctor',
+        lambda j: (
+            'nothing to check'
+            if j['passed'] is None
+            else 'all checks passed'
+            if j['passed']
+            else f"FAILED: {'; '.join(p['check'] for p in j['problems'])}"
+        ),
+    ),
+    'serve_bench': (
+        'serve_bench',
+        lambda j: (
+            f"nothing to bench: {j['skipped']}"
+            if j.get('skipped')
+            else ('plumbing check, same server: ' if j['plumbing_check'] else '')
+            + ', '.join(
+                f"C={x['concurrency']} {x['out_tok_s']:.0f} tok/s, speedup {x['speedup']:.2f}"
+                + (f", accept length {x['accept_len']:.2f}" if x.get('accept_len') else '')
+                for x in j['rows']
+                if x['endpoint'] == 'speculative'
+            )
+            + (f" (verify {j['verify_accept_length']:.2f})" if j.get('verify_accept_length') else '')
+            + (' (vLLM; CPU toy tok/s is no guide to GPU speed-up)' if j.get('engine') == 'vllm' else '')
+        ),
+    ),
+    'verify': (
+        'verify',
+        lambda j: (
+            f"nothing to verify: {j['skipped']}"
+            if j.get('skipped')
+            else f"vLLM served accept length {j['accept_length']:.2f} (offline {j['offline_accept_length']:.2f}), greedy {j['greedy_identical']}/{j['n_prompts']} identical"
+            + (f", {j['distinct_tokens']}/{j['total_tokens']} distinct tokens" if j.get('total_tokens') else '')
+        ),
+    ),
     'plan': ('plan', lambda j: j['path']),
 }
 
-def headline(run_dir, key:str)->str:
+
+def headline(run_dir, key: str) -> str:
     "A phase's one-line result from its JSON in `run_dir`; empty when there is none"
     f, fn = HEADLINES.get(key, (key, None))
-    p = Path(run_dir)/f'{f}.json'
-    if fn is None or not p.exists(): return ''
-    try: return str(fn(json.loads(p.read_text())))
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError): return ''
+    p = Path(run_dir) / f'{f}.json'
+    if fn is None or not p.exists():
+        return ''
+    try:
+        return str(fn(json.loads(p.read_text())))
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+        return ''
 
-def summary_table(run_dir, stems=None): # -> pandas.DataFrame
+
+def summary_table(run_dir, stems=None):  # -> pandas.DataFrame
     "One row per phase of the run: status, seconds, headline result"
     import pandas as pd
+
     st = load_state(run_dir)['phases']
-    rows = [dict(phase=s, status=st.get(s, {}).get('status', 'not run'), seconds=st.get(s, {}).get('seconds'),
-                 result=headline(run_dir, phase_key(s))) for s in (stems or st)]
+    rows = [
+        dict(
+            phase=s,
+            status=st.get(s, {}).get('status', 'not run'),
+            seconds=st.get(s, {}).get('seconds'),
+            result=headline(run_dir, phase_key(s)),
+        )
+        for s in (stems or st)
+    ]
     return pd.DataFrame(rows, columns=['phase', 'status', 'seconds', 'result'])
 
-def markdown_table(df)->str:
+
+def markdown_table(df) -> str:
     "A pipe table of `df` (what `summary.md` holds)"
     cell = lambda v: '' if v is None or v != v else str(v).replace('|', '\\|')
-    return '\n'.join(['| ' + ' | '.join(df.columns) + ' |', '|' + '---|' * len(df.columns)] +
-                     ['| ' + ' | '.join(cell(v) for v in r) + ' |' for r in df.itertuples(index=False)]) + '\n'
-
+    return (
+        '\n'.join(
+            ['| ' + ' | '.join(df.columns) + ' |', '|' + '---|' * len(df.columns)]
+            + ['| ' + ' | '.join(cell(v) for v in r) + ' |' for r in df.itertuples(index=False)]
+        )
+        + '\n'
+    )
 
 # %% ../nbs/98_runner.ipynb #e3dde713
-def _tell(msg): print(f'[eagle3nb] {msg}', file=sys.stderr, flush=True)
+def _tell(msg):
+    print(f'[eagle3nb] {msg}', file=sys.stderr, flush=True)
 
-def run(recipe,            # recipe YAML path
-        run_id=None,       # papermill_runs/<run_id>/ receives the records; default <name>-<timestamp>
-        phases=None,       # phase names or stems to run; default all
-        root=None,         # repository root (holds nbs/phases and papermill_runs)
-        serve=True,        # launch a local server when the recipe lists no endpoints
-        stream=True,       # stream cell output while phases run
-       )->Path:            # the run directory
+
+def run(
+    recipe,  # recipe YAML path
+    run_id=None,  # papermill_runs/<run_id>/ receives the records; default <name>-<timestamp>
+    phases=None,  # phase names or stems to run; default all
+    root=None,  # repository root (holds nbs/phases and papermill_runs)
+    serve=True,  # launch a local server when the recipe lists no endpoints
+    stream=True,  # stream cell output while phases run
+) -> Path:  # the run directory
     "Run the recipe's phases in order; skip those completed with the same parameters"
-    root = repo_root(root); r = load_recipe(recipe)
+    root = repo_root(root)
+    r = load_recipe(recipe)
     if run_id is not None:
-        try: one_name(run_id, '--run-id')
-        except ValueError as e: raise RecipeError(f"{e}; it names the folder papermill_runs/<run_id>/") from None
-    nbs = phase_notebooks(root/'nbs'/'phases'); sel = select_phases(nbs, phases)
-    for s in sel: check_phase_params(nbs[s], r.phases.get(phase_key(s), {}))
+        try:
+            one_name(run_id, '--run-id')
+        except ValueError as e:
+            raise RecipeError(f"{e}; it names the folder papermill_runs/<run_id>/") from None
+    nbs = phase_notebooks(root / 'nbs' / 'phases')
+    sel = select_phases(nbs, phases)
+    for s in sel:
+        check_phase_params(nbs[s], r.phases.get(phase_key(s), {}))
     # a plan needs no data on this machine; prepare needs the datasets
-    if ps := check_recipe(r, root, datasets=any(phase_key(s) == 'prepare' for s in sel), local=any(phase_key(s) != 'plan' for s in sel)): raise RecipeError(f"{recipe}: " + '; '.join(ps))
+    if ps := check_recipe(
+        r, root, datasets=any(phase_key(s) == 'prepare' for s in sel), local=any(phase_key(s) != 'plan' for s in sel)
+    ):
+        raise RecipeError(f"{recipe}: " + '; '.join(ps))
     run_id = run_id or f"{r.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    run_dir = root/'papermill_runs'/run_id; run_dir.mkdir(parents=True, exist_ok=True)
-    with (hold_lock(run_dir/'.lock', f'run {run_id}'),
-          owned_by(f'run:{run_dir.resolve()}') as tag,
-          _sigterm_interrupts()):
+    run_dir = root / 'papermill_runs' / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with (
+        hold_lock(run_dir / '.lock', f'run {run_id}'),
+        owned_by(f'run:{run_dir.resolve()}') as tag,
+        _sigterm_interrupts(),
+    ):
         _reap(tag, 'an earlier, killed run of it')
-        try: return _run_held(recipe, r, run_id, run_dir, nbs, sel, serve, stream)
-        finally: _reap(tag, 'this run')
+        try:
+            return _run_held(recipe, r, run_id, run_dir, nbs, sel, serve, stream)
+        finally:
+            _reap(tag, 'this run')
 
 # %% ../nbs/98_runner.ipynb #d3218b96
-def _run_held(recipe, r, run_id, run_dir, nbs, sel, serve, stream)->Path:
+def _run_held(recipe, r, run_id, run_dir, nbs, sel, serve, stream) -> Path:
     "The body of `run`, while this process holds the run's lock"
-    state = load_state(run_dir); state.update(run_id=run_id, recipe_source=str(Path(recipe).resolve()), catalog=r.catalog)
+    state = load_state(run_dir)
+    state.update(run_id=run_id, recipe_source=str(Path(recipe).resolve()), catalog=r.catalog)
     _mark_dead(state, run_dir)
     base = {k: v for k, v in recipe_dict(r).items() if k != 'phases'}  # another phase's parameters don't matter here
     fps = {s: fingerprint(dict(recipe=base, params=r.phases.get(phase_key(s), {}))) for s in sel}
-    done = lambda s: (st := state['phases'].get(s, {})).get('status') == 'completed' and st.get('fingerprint') == fps[s] and (run_dir/f'{s}.ipynb').exists()
+    done = lambda s: (
+        (st := state['phases'].get(s, {})).get('status') == 'completed'
+        and st.get('fingerprint') == fps[s]
+        and (run_dir / f'{s}.ipynb').exists()
+    )
     todo = [s for s in sel if not done(s)]
     served = serve and not r.target.endpoints and any(phase_key(s) in SERVED for s in todo)
     factory = local_server(r) if served else None
-    if served: _tell(f"serving the target locally with {'vLLM' if factory else 'transformers serve'} (log: {run_dir/'server.log'})")
-    with (target_session(r, run_dir, served, factory) if todo else nullcontext(r)) as rr:
-        frozen = save_recipe(rr, run_dir/'recipe.yaml')
+    if served:
+        _tell(
+            f"serving the target locally with {'vLLM' if factory else 'transformers serve'} (log: {run_dir / 'server.log'})"
+        )
+    with target_session(r, run_dir, served, factory) if todo else nullcontext(r) as rr:
+        frozen = save_recipe(rr, run_dir / 'recipe.yaml')
         for s in (bar := tqdm(sel, desc='phases', unit='phase', file=sys.stderr)):
             bar.set_postfix_str(s)
-            if s not in todo: _tell(f'skip {s}: completed with the same parameters'); continue
+            if s not in todo:
+                _tell(f'skip {s}: completed with the same parameters')
+                continue
             _run_one(s, nbs[s], run_dir, frozen, rr.phases.get(phase_key(s), {}), fps[s], state, stream)
     _tell(f'run {run_id}: {len(sel)} phase(s) done; records in {run_dir}')
     table = summary_table(run_dir, sel)
-    (run_dir/'summary.md').write_text(markdown_table(table))
+    (run_dir / 'summary.md').write_text(markdown_table(table))
     print(f'\nrun {run_id} ({run_dir}):\n' + table.to_string(index=False), flush=True)
     return run_dir
 
 # %% ../nbs/98_runner.ipynb #f36363ea
 class RunInterrupted(KeyboardInterrupt):
     "Ctrl-C or SIGTERM during a run; the message says what was recorded and how to resume"
-    def __str__(self): return self.args[0] if self.args else 'interrupted'
 
-def _reap(tag:str, whose:str):
+    def __str__(self):
+        return self.args[0] if self.args else 'interrupted'
+
+
+def _reap(tag: str, whose: str):
     "Stop the live processes carrying `tag`, saying so"
     if pids := reap_leftovers(tag):
         _tell(f"stopped {len(pids)} process(es) left by {whose}: pids {', '.join(map(str, pids))}")
 
-def _mark_dead(state:dict, run_dir:Path):
+
+def _mark_dead(state: dict, run_dir: Path):
     "Phases recorded `running` by a process that is gone become `interrupted` (we hold the lock: nobody runs them)"
     for stem, st in state['phases'].items():
-        if st.get('status') != 'running': continue
-        st.update(status='interrupted', error=f"its run (pid {st.get('pid', '?')}) ended without recording an outcome: "
-                                              "killed (kill -9, the OOM killer, a lost node)")
+        if st.get('status') != 'running':
+            continue
+        st.update(
+            status='interrupted',
+            error=f"its run (pid {st.get('pid', '?')}) ended without recording an outcome: "
+            "killed (kill -9, the OOM killer, a lost node)",
+        )
         _tell(f"{stem}: {st['error']}; recorded as interrupted")
     save_state(run_dir, state)
+
 
 @contextmanager
 def _sigterm_interrupts():
@@ -403,46 +618,66 @@ def _sigterm_interrupts():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    def _raise(signum, frame): raise KeyboardInterrupt('SIGTERM')
+
+    def _raise(signum, frame):
+        raise KeyboardInterrupt('SIGTERM')
+
     old = signal.signal(signal.SIGTERM, _raise)
-    try: yield
-    finally: signal.signal(signal.SIGTERM, old)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 # %% ../nbs/98_runner.ipynb #cc77514d
 _ASIDE = {'completed': 'previous', 'interrupted': 'interrupted'}  # an old record's status -> its set-aside name
 
-def _resume(state)->str:
+
+def _resume(state) -> str:
     return f"eagle3nb run {shlex.quote(state['recipe_source'])} --run-id {shlex.quote(state['run_id'])}"
+
 
 def _run_one(stem, nb, run_dir, frozen, params, fp, state, stream):
     "Execute one phase and record its outcome in `state`"
-    record = run_dir/f'{stem}.ipynb'
+    record = run_dir / f'{stem}.ipynb'
     old = state['phases'].get(stem, {}).get('status')
     set_aside(record, _ASIDE.get(old, 'failed'))
-    st = state['phases'][stem] = dict(status='running', fingerprint=fp, record=record.name, started=time.time(),
-                                      pid=os.getpid())
-    save_state(run_dir, state); _tell(f'run {stem} -> {record}'); _log_run(state, stem, 'running', params)
-    try: execute_phase(nb, record, dict(recipe=str(frozen), run_dir=str(run_dir), **params), stream)
+    st = state['phases'][stem] = dict(
+        status='running', fingerprint=fp, record=record.name, started=time.time(), pid=os.getpid()
+    )
+    save_state(run_dir, state)
+    _tell(f'run {stem} -> {record}')
+    _log_run(state, stem, 'running', params)
+    try:
+        execute_phase(nb, record, dict(recipe=str(frozen), run_dir=str(run_dir), **params), stream)
     except PhaseFailed as e:
-        st.update(status='failed', error=str(e), seconds=round(time.time()-st['started'], 2)); save_state(run_dir, state)
+        st.update(status='failed', error=str(e), seconds=round(time.time() - st['started'], 2))
+        save_state(run_dir, state)
         _log_run(state, stem, 'failed')
         raise PhaseFailed(f"{e}\n  fix it, then rerun `{_resume(state)}` (completed phases are skipped)") from None
     except KeyboardInterrupt as e:
         why = 'SIGTERM' if str(e) == 'SIGTERM' else 'Ctrl-C'
-        st.update(status='interrupted', error=f'interrupted ({why})', seconds=round(time.time()-st['started'], 2))
+        st.update(status='interrupted', error=f'interrupted ({why})', seconds=round(time.time() - st['started'], 2))
         save_state(run_dir, state)
         _log_run(state, stem, 'interrupted')
-        stop = RunInterrupted(f"run {state['run_id']} interrupted ({why}) in phase {stem}: recorded as interrupted in "
-                              f"{run_dir/'run.json'}, its record kept; `{_resume(state)}` resumes it "
-                              "(completed phases are skipped)")
+        stop = RunInterrupted(
+            f"run {state['run_id']} interrupted ({why}) in phase {stem}: recorded as interrupted in "
+            f"{run_dir / 'run.json'}, its record kept; `{_resume(state)}` resumes it "
+            "(completed phases are skipped)"
+        )
         stop.sigterm = why == 'SIGTERM'
         raise stop from None
-    st.update(status='completed', seconds=round(time.time()-st['started'], 2)); save_state(run_dir, state)
+    st.update(status='completed', seconds=round(time.time() - st['started'], 2))
+    save_state(run_dir, state)
     _log_run(state, stem, 'ok')
 
 # %% ../nbs/98_runner.ipynb #902895e0
 def _log_run(state, stem, status, params=None):
     "Record a phase's status in the recipe's catalog `runs` table; warn instead of failing"
     from eagle3nb.catalog import record_run, CatalogLocked
-    try: record_run(state['catalog'], state['run_id'], stem, status, recipe=state['recipe_source'], params=params, timeout=5)
-    except (CatalogLocked, OSError) as e: _tell(f'warning: run not recorded in the catalog {state["catalog"]}: {e}')
+
+    try:
+        record_run(
+            state['catalog'], state['run_id'], stem, status, recipe=state['recipe_source'], params=params, timeout=5
+        )
+    except (CatalogLocked, OSError) as e:
+        _tell(f'warning: run not recorded in the catalog {state["catalog"]}: {e}')

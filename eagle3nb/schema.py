@@ -16,286 +16,447 @@ SCHEMA_VERSION = 2  # 2: prepared messages and tools as Arrow lists of structs (
 KINDS = ('full', 'prompt_only', 'native')
 ROLES = ('system', 'user', 'assistant', 'tool')
 
+
 class Reject(ValueError):
     "A raw record that cannot be converted; the message is the reason (short, stable, countable)"
 
 # %% ../nbs/10_schema.ipynb #91c205a5
-def sample_id(dataset:str, source_key)->str:
+def sample_id(dataset: str, source_key) -> str:
     "Stable 16-hex-digit id of a record of `dataset`"
     return hashlib.sha256(f'{dataset}\x00{source_key}'.encode()).hexdigest()[:16]
 
 # %% ../nbs/10_schema.ipynb #c053cbb4
-def message(role:str, content:str='', reasoning_content:str=None, tool_calls:list=None,
-            tool_call_id:str=None, name:str=None)->dict:
+def message(
+    role: str,
+    content: str = '',
+    reasoning_content: str = None,
+    tool_calls: list = None,
+    tool_call_id: str = None,
+    name: str = None,
+) -> dict:
     "A canonical message; `Reject` on an unknown role or non-string content"
-    if role not in ROLES: raise Reject(f'unknown role {role!r}')
-    if content is None: content = ''
-    if not isinstance(content, str): raise Reject(f'{role} content is {type(content).__name__}, not text')
-    return dict(role=role, content=content, reasoning_content=reasoning_content, tool_calls=tool_calls or None,
-                tool_call_id=tool_call_id, name=name)
+    if role not in ROLES:
+        raise Reject(f'unknown role {role!r}')
+    if content is None:
+        content = ''
+    if not isinstance(content, str):
+        raise Reject(f'{role} content is {type(content).__name__}, not text')
+    return dict(
+        role=role,
+        content=content,
+        reasoning_content=reasoning_content,
+        tool_calls=tool_calls or None,
+        tool_call_id=tool_call_id,
+        name=name,
+    )
 
 # %% ../nbs/10_schema.ipynb #23967583
-def parse_arguments(a)->dict:
+def parse_arguments(a) -> dict:
     "Tool-call arguments as a dict; `Reject` if they are not a JSON object"
-    if isinstance(a, dict): return a
-    if a is None or (isinstance(a, str) and not a.strip()): return {}
-    if not isinstance(a, str): raise Reject(f'tool call arguments are {type(a).__name__}, not an object')
-    try: v = json.loads(a)
-    except (ValueError, RecursionError): raise Reject('tool call arguments are not valid JSON') from None  # also huge ints, deep nesting
-    if not isinstance(v, dict): raise Reject(f'tool call arguments are a JSON {type(v).__name__}, not an object')
+    if isinstance(a, dict):
+        return a
+    if a is None or (isinstance(a, str) and not a.strip()):
+        return {}
+    if not isinstance(a, str):
+        raise Reject(f'tool call arguments are {type(a).__name__}, not an object')
+    try:
+        v = json.loads(a)
+    except (ValueError, RecursionError):
+        raise Reject('tool call arguments are not valid JSON') from None  # also huge ints, deep nesting
+    if not isinstance(v, dict):
+        raise Reject(f'tool call arguments are a JSON {type(v).__name__}, not an object')
     return v
 
-def tool_call(name:str, arguments, id:str=None)->dict:
+
+def tool_call(name: str, arguments, id: str = None) -> dict:
     "A canonical tool call (OpenAI shape, arguments as an object)"
-    if not isinstance(name, str) or not name.strip(): raise Reject('tool call without a function name')
+    if not isinstance(name, str) or not name.strip():
+        raise Reject('tool call without a function name')
     return dict(id=id, type='function', function=dict(name=name, arguments=parse_arguments(arguments)))
 
 # %% ../nbs/10_schema.ipynb #5474e21e
-def tool_spec(t)->dict:
+def tool_spec(t) -> dict:
     "An OpenAI function spec from a spec or a bare function object; `Reject` without a function name"
     f = t.get('function', t) if isinstance(t, dict) else None
     if not isinstance(f, dict) or not isinstance(f.get('name'), str) or not f['name'].strip():
         raise Reject('tool spec without a function name')
     if t.get('type') not in (None, 'function'):
-        ty = t['type']; raise Reject(f"tool spec of type {repr(ty[:30]) if isinstance(ty, str) else type(ty).__name__}")
+        ty = t['type']
+        raise Reject(f"tool spec of type {repr(ty[:30]) if isinstance(ty, str) else type(ty).__name__}")
     return {**t, 'type': 'function'} if f is not t else {'type': 'function', 'function': t}
 
 # %% ../nbs/10_schema.ipynb #639538cd
 _THINK = re.compile(r'^\s*<think>(.*?)</think>', re.S)
 
-def split_think(text:str)->tuple:
+
+def split_think(text: str) -> tuple:
     "`(reasoning, content)` from text that may start with `<think>...</think>`; reasoning is None without one"
     m = _THINK.match(text or '')
     if not m:
-        if '<think>' in (text or ''): raise Reject('unclosed or misplaced <think> block')
+        if '<think>' in (text or ''):
+            raise Reject('unclosed or misplaced <think> block')
         return None, text or ''
     r = m.group(1)
     r = r[1:] if r.startswith('\n') else r
     r = r[:-1] if r.endswith('\n') else r
-    return r, text[m.end():].lstrip('\n')
+    return r, text[m.end() :].lstrip('\n')
 
 # %% ../nbs/10_schema.ipynb #0f940e0b
-def kimi_call_id(name:str, idx:int)->str: return f'functions.{name}:{idx}'
+def kimi_call_id(name: str, idx: int) -> str:
+    return f'functions.{name}:{idx}'
 
-def link_tool_calls(messages:list)->list:
+
+def link_tool_calls(messages: list) -> list:
     "Messages with tool-call ids rewritten to `functions.NAME:IDX` and every tool result linked to its call"
     out, new_id, pending, n = [], {}, [], 0
     for m in messages:
         m = dict(m)
         ids = [c.get('id') for c in m.get('tool_calls') or []] + [m.get('tool_call_id')]
-        if any(i is not None and not isinstance(i, str) for i in ids): raise Reject('tool call id is not a string')
+        if any(i is not None and not isinstance(i, str) for i in ids):
+            raise Reject('tool call id is not a string')
         if m['role'] == 'assistant' and m.get('tool_calls'):
             calls, pending = [], []
             for c in m['tool_calls']:
-                nid = kimi_call_id(c['function']['name'], n); n += 1
-                if c.get('id'): new_id[c['id']] = nid
-                calls.append({**c, 'id': nid}); pending.append(calls[-1])
+                nid = kimi_call_id(c['function']['name'], n)
+                n += 1
+                if c.get('id'):
+                    new_id[c['id']] = nid
+                calls.append({**c, 'id': nid})
+                pending.append(calls[-1])
             m['tool_calls'] = calls
         elif m['role'] == 'tool':
             old = m.get('tool_call_id')
             nid = new_id.get(old) if old else None
-            if nid is None and old and old in {c['id'] for c in pending}: nid = old
+            if nid is None and old and old in {c['id'] for c in pending}:
+                nid = old
             if nid is None:
-                if old and old in new_id.values(): nid = old
-                elif not old and pending: nid = pending[0]['id']
-                else: raise Reject('tool result with no matching tool call')
+                if old and old in new_id.values():
+                    nid = old
+                elif not old and pending:
+                    nid = pending[0]['id']
+                else:
+                    raise Reject('tool result with no matching tool call')
             call = next((c for c in pending if c['id'] == nid), None)
-            if call is None: raise Reject('tool result with no matching tool call')
+            if call is None:
+                raise Reject('tool result with no matching tool call')
             pending.remove(call)
-            if m.get('name') and m['name'] != call['function']['name']: raise Reject('tool result names another function than its call')
+            if m.get('name') and m['name'] != call['function']['name']:
+                raise Reject('tool result names another function than its call')
             m.update(tool_call_id=nid, name=call['function']['name'])
-        elif m['role'] == 'user': pending = []
+        elif m['role'] == 'user':
+            pending = []
         out.append(m)
     return out
 
 # %% ../nbs/10_schema.ipynb #c3fba18b
-def _empty(m): return not m['content'].strip() and not m.get('reasoning_content') and not m.get('tool_calls')
+def _empty(m):
+    return not m['content'].strip() and not m.get('reasoning_content') and not m.get('tool_calls')
 
-def clean_messages(messages:list)->list:
+
+def clean_messages(messages: list) -> list:
     "Drop empty turns and repeated system prompts"
     out, systems = [], set()
     for m in messages:
-        if m['role'] in ('system', 'user', 'assistant') and _empty(m): continue
+        if m['role'] in ('system', 'user', 'assistant') and _empty(m):
+            continue
         if m['role'] == 'system':
-            if m['content'] in systems: continue
+            if m['content'] in systems:
+                continue
             systems.add(m['content'])
         out.append(m)
     return out
 
-def check_conversation(messages:list, kind:str)->list:
+
+def check_conversation(messages: list, kind: str) -> list:
     "Validate roles for `kind`; `Reject` with the reason"
-    if kind not in KINDS: raise Reject(f'unknown kind {kind!r}')
+    if kind not in KINDS:
+        raise Reject(f'unknown kind {kind!r}')
     roles = [m['role'] for m in messages]
-    if 'user' not in roles: raise Reject('no user turn')
+    if 'user' not in roles:
+        raise Reject('no user turn')
     if kind == 'prompt_only':
-        while messages and messages[-1]['role'] == 'assistant': messages = messages[:-1]
-        if messages[-1]['role'] != 'user': raise Reject(f'prompt ends with a {messages[-1]["role"]} turn, not a user turn')
-    elif 'assistant' not in roles: raise Reject('no assistant turn to train on')
+        while messages and messages[-1]['role'] == 'assistant':
+            messages = messages[:-1]
+        if messages[-1]['role'] != 'user':
+            raise Reject(f'prompt ends with a {messages[-1]["role"]} turn, not a user turn')
+    elif 'assistant' not in roles:
+        raise Reject('no assistant turn to train on')
     return messages
 
 # %% ../nbs/10_schema.ipynb #9cb5d3ac
-def conversation(dataset:str, source_index:int, messages:list, source_key=None, kind:str='full',
-                 tools:list=None, license:str=None, meta:dict=None)->dict:
+def conversation(
+    dataset: str,
+    source_index: int,
+    messages: list,
+    source_key=None,
+    kind: str = 'full',
+    tools: list = None,
+    license: str = None,
+    meta: dict = None,
+) -> dict:
     "A canonical conversation row, normalised and checked"
     ms = check_conversation(clean_messages(link_tool_calls(messages)), kind)
-    if tools is not None and not isinstance(tools, list): raise Reject('tools is not a list of function specs')
-    return dict(sample_id=sample_id(dataset, source_index if source_key is None else source_key), dataset=dataset,
-                source_index=source_index, kind=kind, tools=tools or [], messages=ms, license=license, meta=meta or {})
+    if tools is not None and not isinstance(tools, list):
+        raise Reject('tools is not a list of function specs')
+    return dict(
+        sample_id=sample_id(dataset, source_index if source_key is None else source_key),
+        dataset=dataset,
+        source_index=source_index,
+        kind=kind,
+        tools=tools or [],
+        messages=ms,
+        license=license,
+        meta=meta or {},
+    )
 
 # %% ../nbs/10_schema.ipynb #c8a5222a
-def _args_problem(calls)->str|None:
+def _args_problem(calls) -> str | None:
     "Why a turn's tool calls are not well formed, None if they are"
-    if not isinstance(calls, list): return 'tool_calls is not a list'
+    if not isinstance(calls, list):
+        return 'tool_calls is not a list'
     for tc in calls:
         f = tc.get('function') if isinstance(tc, dict) else None
-        if not isinstance(f, dict) or not isinstance(f.get('name'), str) or not f['name'].strip(): return 'tool call without a function name'
-        try: parse_arguments(f.get('arguments'))
-        except Reject as e: return str(e)
+        if not isinstance(f, dict) or not isinstance(f.get('name'), str) or not f['name'].strip():
+            return 'tool call without a function name'
+        try:
+            parse_arguments(f.get('arguments'))
+        except Reject as e:
+            return str(e)
 
 # %% ../nbs/10_schema.ipynb #03738bbb
-def render_problem(c:dict)->str|None: # the reject reason, None when `c` can be rendered
+def render_problem(c: dict) -> str | None:  # the reject reason, None when `c` can be rendered
     "Why conversation `c` cannot be rendered: malformed messages, roles out of order, orphan tool results, non-object arguments"
     ms = c.get('messages')
-    if not isinstance(ms, list) or not ms or not all(isinstance(m, dict) for m in ms): return 'messages is not a list of message objects'
+    if not isinstance(ms, list) or not ms or not all(isinstance(m, dict) for m in ms):
+        return 'messages is not a list of message objects'
     user, open_ids = False, None  # seen a user turn; ids of the last tool calls not answered yet
     for m in ms:
         r = m.get('role')
-        if r not in ROLES: return f'unknown role {r!r}'
-        if not isinstance(m.get('content') or '', str): return f'{r} content is {type(m["content"]).__name__}, not text'
-        if r in ('assistant', 'tool') and not user: return f'roles out of order: {r} turn before the first user turn'
-        if r == 'user': user, open_ids = True, None
+        if r not in ROLES:
+            return f'unknown role {r!r}'
+        if not isinstance(m.get('content') or '', str):
+            return f'{r} content is {type(m["content"]).__name__}, not text'
+        if r in ('assistant', 'tool') and not user:
+            return f'roles out of order: {r} turn before the first user turn'
+        if r == 'user':
+            user, open_ids = True, None
         if r == 'assistant' and m.get('tool_calls'):
-            if (why := _args_problem(m['tool_calls'])): return why
+            if why := _args_problem(m['tool_calls']):
+                return why
             open_ids = [tc.get('id') for tc in m['tool_calls']]
         if r == 'tool':
             tid = m.get('tool_call_id')
-            if not open_ids or (tid is not None and tid not in open_ids): return 'tool result without its tool call'
+            if not open_ids or (tid is not None and tid not in open_ids):
+                return 'tool result without its tool call'
             open_ids.remove(tid if tid is not None else open_ids[0])
 
 # %% ../nbs/10_schema.ipynb #f2fcdd87
 from functools import lru_cache
 
+
 @lru_cache(maxsize=32)
-def _special_rx(texts:tuple):
+def _special_rx(texts: tuple):
     "A regex that finds any of `texts`, the longest where several start at one place"
     return re.compile('|'.join(re.escape(t) for t in sorted(texts, key=len, reverse=True)))
 
+
 def _strings(v):
     "Every string inside JSON value `v`: itself, or the keys and values of its objects and lists"
-    if isinstance(v, str): yield v
+    if isinstance(v, str):
+        yield v
     elif isinstance(v, dict):
         for k, x in v.items():
             yield from _strings(k)
             yield from _strings(x)
     elif isinstance(v, (list, tuple)):
-        for x in v: yield from _strings(x)
+        for x in v:
+            yield from _strings(x)
 
-def _found(rx, v)->str|None:
+
+def _found(rx, v) -> str | None:
     "The first of the regex's strings in the strings of `v`, None if none"
     return next((m.group() for s in _strings(v) if (m := rx.search(s))), None)
 
 # %% ../nbs/10_schema.ipynb #e1b2643f
-_MSG_TEXTS = (('content', 'content'), ('reasoning_content', 'reasoning'), ('name', 'name'),
-              ('tool_call_id', 'tool_call_id'))
+_MSG_TEXTS = (
+    ('content', 'content'),
+    ('reasoning_content', 'reasoning'),
+    ('name', 'name'),
+    ('tool_call_id', 'tool_call_id'),
+)
 
-def _args_found(rx, a)->str|None:
-    ("The first of the regex's strings in tool-call arguments `a`: an object, or JSON text "
-     "(searched as sent and as parsed)")
-    if (t := _found(rx, a)) or not isinstance(a, str): return t
-    try: return _found(rx, json.loads(a))
-    except (ValueError, RecursionError): return None
 
-def special_in_message(m:dict, # a message: canonical, or as a server answers it
-                       texts, # the target's special tokens (`target.special_texts`)
-                      )->str|None: # e.g. "content holds the special token '<|im_end|>'"; None when no field holds one
+def _args_found(rx, a) -> str | None:
+    "The first of the regex's strings in tool-call arguments `a`: an object, or JSON text (searched as sent and as parsed)"
+    if (t := _found(rx, a)) or not isinstance(a, str):
+        return t
+    try:
+        return _found(rx, json.loads(a))
+    except (ValueError, RecursionError):
+        return None
+
+
+def special_in_message(
+    m: dict,  # a message: canonical, or as a server answers it
+    texts,  # the target's special tokens (`target.special_texts`)
+) -> str | None:  # e.g. "content holds the special token '<|im_end|>'"; None when no field holds one
     "Which text of message `m` holds one of `texts`, and which token"
-    if not texts or not isinstance(m, dict): return None
+    if not texts or not isinstance(m, dict):
+        return None
     rx = _special_rx(tuple(texts))
     for k, label in _MSG_TEXTS:
-        if (t := _found(rx, m.get(k))): return f'{label} holds the special token {t!r}'
+        if t := _found(rx, m.get(k)):
+            return f'{label} holds the special token {t!r}'
     for j, tc in enumerate(m.get('tool_calls') or []):
         tc = tc if isinstance(tc, dict) else {}
         f = tc.get('function') if isinstance(tc.get('function'), dict) else {}
-        found = (('name', _found(rx, f.get('name'))), ('id', _found(rx, tc.get('id'))),
-                 ('arguments', _args_found(rx, f.get('arguments'))))
+        found = (
+            ('name', _found(rx, f.get('name'))),
+            ('id', _found(rx, tc.get('id'))),
+            ('arguments', _args_found(rx, f.get('arguments'))),
+        )
         for k, t in found:
-            if t: return f'tool_calls[{j}] {k} holds the special token {t!r}'
+            if t:
+                return f'tool_calls[{j}] {k} holds the special token {t!r}'
 
-def special_text_problem(c:dict, # a canonical conversation
-                         texts, # the target's special tokens (`target.special_texts`)
-                        )->str|None: # the reject reason, None when no text holds one
+
+def special_text_problem(
+    c: dict,  # a canonical conversation
+    texts,  # the target's special tokens (`target.special_texts`)
+) -> str | None:  # the reject reason, None when no text holds one
     "Where conversation `c` holds one of `texts` in a text the target sees: role, message index and token"
-    if not texts: return None
+    if not texts:
+        return None
     for i, m in enumerate(c.get('messages') or []):
-        if (w := special_in_message(m, texts)): return f"messages[{i}] ({m.get('role')}) {w}"
+        if w := special_in_message(m, texts):
+            return f"messages[{i}] ({m.get('role')}) {w}"
     rx = _special_rx(tuple(texts))
     for j, spec in enumerate(c.get('tools') or []):
-        if (t := _found(rx, spec)): return f'tools[{j}] holds the special token {t!r}'
+        if t := _found(rx, spec):
+            return f'tools[{j}] holds the special token {t!r}'
 
 # %% ../nbs/10_schema.ipynb #57046082
 def record_schema():
     "The Arrow schema of a prepared row: nested `messages` and `tools`, JSON text for arguments, parameters and `meta`"
     import pyarrow as pa
+
     s = pa.string()
     call = pa.struct([('id', s), ('type', s), ('function', pa.struct([('name', s), ('arguments', s)]))])
-    msg = pa.struct([('role', s), ('content', s), ('reasoning_content', s), ('tool_calls', pa.list_(call)), ('tool_call_id', s), ('name', s)])
-    tool = pa.struct([('type', s), ('function', pa.struct([('name', s), ('description', s), ('parameters', s)])), ('extra', s)])
-    return pa.schema([('sample_id', s), ('dataset', s), ('source_index', pa.int64()), ('kind', s), ('tools', pa.list_(tool)),
-                      ('messages', pa.list_(msg)), ('license', s), ('meta', s)])
+    msg = pa.struct(
+        [
+            ('role', s),
+            ('content', s),
+            ('reasoning_content', s),
+            ('tool_calls', pa.list_(call)),
+            ('tool_call_id', s),
+            ('name', s),
+        ]
+    )
+    tool = pa.struct(
+        [('type', s), ('function', pa.struct([('name', s), ('description', s), ('parameters', s)])), ('extra', s)]
+    )
+    return pa.schema(
+        [
+            ('sample_id', s),
+            ('dataset', s),
+            ('source_index', pa.int64()),
+            ('kind', s),
+            ('tools', pa.list_(tool)),
+            ('messages', pa.list_(msg)),
+            ('license', s),
+            ('meta', s),
+        ]
+    )
 
 # %% ../nbs/10_schema.ipynb #d3ad7d23
 JSON_FIELDS = ('tools', 'messages', 'meta')  # the nested fields (JSON text in schema version 1)
 _FN = ('name', 'description', 'parameters')
 
-def _js_or_none(d:dict)->str|None: return json.dumps(d, ensure_ascii=False) if d else None
 
-def _tool_out(t:dict)->dict:
+def _js_or_none(d: dict) -> str | None:
+    return json.dumps(d, ensure_ascii=False) if d else None
+
+
+def _tool_out(t: dict) -> dict:
     "A tool spec as its Arrow struct: parameters as JSON text, every other key in `extra`"
     f = t.get('function')
     keep = {k: v for k, v in (f or {}).items() if k in _FN and (k != 'description' or isinstance(v, str))}
-    fn = None if f is None else dict(name=keep.get('name'), description=keep.get('description'),
-                                     parameters=json.dumps(keep['parameters'], ensure_ascii=False) if 'parameters' in keep else None)
-    extra = dict(spec={k: v for k, v in t.items() if k not in ('type', 'function')}, function={k: v for k, v in (f or {}).items() if k not in keep})
+    fn = (
+        None
+        if f is None
+        else dict(
+            name=keep.get('name'),
+            description=keep.get('description'),
+            parameters=json.dumps(keep['parameters'], ensure_ascii=False) if 'parameters' in keep else None,
+        )
+    )
+    extra = dict(
+        spec={k: v for k, v in t.items() if k not in ('type', 'function')},
+        function={k: v for k, v in (f or {}).items() if k not in keep},
+    )
     return dict(type=t.get('type'), function=fn, extra=_js_or_none({k: v for k, v in extra.items() if v}))
 
 # %% ../nbs/10_schema.ipynb #c2deeed2
-def _tool_in(t:dict)->dict:
+def _tool_in(t: dict) -> dict:
     "A tool spec back from its Arrow struct"
     extra = json.loads(t['extra']) if t.get('extra') else {}
     f = t.get('function')
     if f is not None:
         f = {k: v for k, v in f.items() if v is not None}
-        if 'parameters' in f: f['parameters'] = json.loads(f['parameters'])
+        if 'parameters' in f:
+            f['parameters'] = json.loads(f['parameters'])
         f.update(extra.get('function', {}))
-    return {**({'type': t['type']} if t.get('type') is not None else {}), **({'function': f} if f is not None else {}), **extra.get('spec', {})}
+    return {
+        **({'type': t['type']} if t.get('type') is not None else {}),
+        **({'function': f} if f is not None else {}),
+        **extra.get('spec', {}),
+    }
 
-def _calls(m:dict, conv)->dict:
+
+def _calls(m: dict, conv) -> dict:
     "Message `m` with each tool call's arguments passed through `conv`"
-    if not m.get('tool_calls'): return m
-    return {**m, 'tool_calls': [{**c, 'function': {**c['function'], 'arguments': conv(c['function']['arguments'])}} for c in m['tool_calls']]}
+    if not m.get('tool_calls'):
+        return m
+    return {
+        **m,
+        'tool_calls': [
+            {**c, 'function': {**c['function'], 'arguments': conv(c['function']['arguments'])}} for c in m['tool_calls']
+        ],
+    }
 
 # %% ../nbs/10_schema.ipynb #eef7a491
-def to_record(c:dict)->dict:
+def to_record(c: dict) -> dict:
     "Conversation -> row for parquet (`record_schema`: nested messages and tools, JSON text for arguments and meta)"
-    out = dict(c, messages=[_calls(m, lambda a: json.dumps(a, ensure_ascii=False)) for m in c['messages']],
-               tools=[_tool_out(t) for t in c.get('tools') or []])
+    out = dict(
+        c,
+        messages=[_calls(m, lambda a: json.dumps(a, ensure_ascii=False)) for m in c['messages']],
+        tools=[_tool_out(t) for t in c.get('tools') or []],
+    )
     return {**out, 'meta': json.dumps(c['meta'], ensure_ascii=False)} if 'meta' in c else out
 
-def from_record(r:dict)->dict:
+
+def from_record(r: dict) -> dict:
     "Parquet row -> conversation; rows whose nested fields are JSON text (schema version 1, JSON Lines input) too"
-    if isinstance(r.get('messages'), str): return {k: json.loads(v) if k in JSON_FIELDS and isinstance(v, str) else v for k, v in r.items()}
-    out = dict(r, messages=[_calls(m, json.loads) for m in r['messages']], tools=[_tool_in(t) for t in r.get('tools') or []])
+    if isinstance(r.get('messages'), str):
+        return {k: json.loads(v) if k in JSON_FIELDS and isinstance(v, str) else v for k, v in r.items()}
+    out = dict(
+        r, messages=[_calls(m, json.loads) for m in r['messages']], tools=[_tool_in(t) for t in r.get('tools') or []]
+    )
     return {**out, 'meta': json.loads(r['meta'])} if isinstance(r.get('meta'), str) else out
 
 # %% ../nbs/10_schema.ipynb #3c866a82
 ADAPTERS = {}
 
-def adapter(name:str,            # format name, as in a recipe's `datasets[].format`
-            kind:str='full',     # default kind of this format's conversations
-           ):
+
+def adapter(
+    name: str,  # format name, as in a recipe's `datasets[].format`
+    kind: str = 'full',  # default kind of this format's conversations
+):
     "Register `f(record, dataset, index, kind) -> conversation` as the reader of format `name`"
+
     def deco(f):
         f.format_name, f.default_kind = name, kind
         ADAPTERS[name] = f
         return f
+
     return deco

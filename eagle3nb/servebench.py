@@ -23,50 +23,70 @@ from .prepare import conversations, read_manifest
 from .merge import load_corpus, read_corpus_manifest
 
 # %% ../nbs/80_servebench.ipynb #6e452f9e
-def as_messages(p)->list: # OpenAI chat messages
+def as_messages(p) -> list:  # OpenAI chat messages
     "A prompt as chat messages: a string is one user message, `{'messages': [...]}` its messages, a list is kept"
-    if isinstance(p, str): return [dict(role='user', content=p)]
-    if isinstance(p, dict) and 'messages' in p: return list(p['messages'])
+    if isinstance(p, str):
+        return [dict(role='user', content=p)]
+    if isinstance(p, dict) and 'messages' in p:
+        return list(p['messages'])
     return list(p)  # messages, or token ids (sent as a completion: see `_request`)
 
 # %% ../nbs/80_servebench.ipynb #b2409215
-def _err(e:Exception)->str:
+def _err(e: Exception) -> str:
     "One line that names what went wrong with a request"
     body = getattr(e, 'body', None)
     detail = (body.get('detail') or body.get('message') or body.get('error')) if isinstance(body, dict) else None
     msg = f'{type(e).__name__}: {detail or e}'
-    if e.__cause__: msg += f' ({type(e.__cause__).__name__}: {e.__cause__})'
+    if e.__cause__:
+        msg += f' ({type(e.__cause__).__name__}: {e.__cause__})'
     return msg[:300]
 
-def _text(delta)->str:
+
+def _text(delta) -> str:
     "Generated text in a stream delta: content plus any split-off reasoning"
     x = delta.model_extra or {}
     return (delta.content or '') + (x.get('reasoning_content') or x.get('reasoning') or '')
 
 # %% ../nbs/80_servebench.ipynb #3875d183
-def is_ids(p)->bool: return isinstance(p, (list, tuple)) and len(p) > 0 and all(isinstance(t, int) for t in p)
+def is_ids(p) -> bool:
+    return isinstance(p, (list, tuple)) and len(p) > 0 and all(isinstance(t, int) for t in p)
 
-async def _request(client, model, messages, max_tokens, sem, bar)->dict:
+
+async def _request(client, model, messages, max_tokens, sem, bar) -> dict:
     "One streamed chat completion (a completion of token ids, for `is_ids` prompts): ok, ttft (s), tokens, counted_by, seconds; or ok=False and the error"
     async with sem:
         t0, ttft, chunks, usage = time.perf_counter(), None, 0, None
         ids = is_ids(messages)
-        kw = dict(model=model, max_tokens=max_tokens, temperature=0, stream=True, stream_options=dict(include_usage=True))
+        kw = dict(
+            model=model, max_tokens=max_tokens, temperature=0, stream=True, stream_options=dict(include_usage=True)
+        )
         try:
-            if ids: stream = await client.completions.create(prompt=list(messages), **kw)
-            else: stream = await client.chat.completions.create(messages=messages, **kw)
+            if ids:
+                stream = await client.completions.create(prompt=list(messages), **kw)
+            else:
+                stream = await client.chat.completions.create(messages=messages, **kw)
             async for ch in stream:
-                if ch.usage is not None: usage = ch.usage.completion_tokens
+                if ch.usage is not None:
+                    usage = ch.usage.completion_tokens
                 if any((c.text if ids else c.delta and _text(c.delta)) for c in ch.choices):
-                    if ttft is None: ttft = time.perf_counter() - t0
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
                     chunks += 1
-            r = dict(ok=True, ttft=ttft, tokens=chunks if usage is None else usage, counted_by='chunks' if usage is None else 'usage')
-        except Exception as e: r = dict(ok=False, error=_err(e))  # counted and reported, never dropped
+            r = dict(
+                ok=True,
+                ttft=ttft,
+                tokens=chunks if usage is None else usage,
+                counted_by='chunks' if usage is None else 'usage',
+            )
+        except Exception as e:
+            r = dict(ok=False, error=_err(e))  # counted and reported, never dropped
         bar.update()
         return dict(r, seconds=time.perf_counter() - t0)
 
 # %% ../nbs/80_servebench.ipynb #55254340
-async def _bench(base_url, model, msgs, concurrency, max_tokens, api_key, timeout)->tuple: # per-request dicts, wall seconds
+async def _bench(
+    base_url, model, msgs, concurrency, max_tokens, api_key, timeout
+) -> tuple:  # per-request dicts, wall seconds
     client = AsyncOpenAI(base_url=base_url, api_key=api_key or 'EMPTY', timeout=timeout, max_retries=0)
     sem = asyncio.Semaphore(concurrency)
     with tqdm(total=len(msgs), desc=f'{base_url} c={concurrency}', leave=False) as bar:
@@ -76,43 +96,62 @@ async def _bench(base_url, model, msgs, concurrency, max_tokens, api_key, timeou
     await client.close()
     return rs, seconds
 
+
 def _run(coro):
     "Run `coro` to the end in a fresh event loop on a worker thread"
-    with ThreadPoolExecutor(1) as ex: return ex.submit(asyncio.run, coro).result()
+    with ThreadPoolExecutor(1) as ex:
+        return ex.submit(asyncio.run, coro).result()
 
 # %% ../nbs/80_servebench.ipynb #ed640287
-def _ms(xs:list, q:float): return round(float(np.percentile(xs, q)) * 1000, 2) if xs else None
+def _ms(xs: list, q: float):
+    return round(float(np.percentile(xs, q)) * 1000, 2) if xs else None
 
-def summarize(rs:list,        # per-request dicts from `_request`
-              seconds:float,  # wall time of the batch
-             )->dict:
+
+def summarize(
+    rs: list,  # per-request dicts from `_request`
+    seconds: float,  # wall time of the batch
+) -> dict:
     "Counts, failures, output tok/s, TTFT p50 / p90 (ms) and per-request tok/s of one batch"
     ok = [r for r in rs if r['ok']]
     toks, ttft = sum(r['tokens'] for r in ok), [r['ttft'] for r in ok if r['ttft'] is not None]
     per = [r['tokens'] / r['seconds'] for r in ok if r['seconds'] > 0]
-    return dict(requests=len(rs), ok=len(ok), failed=len(rs) - len(ok), errors=list(dict.fromkeys(r['error'] for r in rs if not r['ok']))[:3],
-                output_tokens=toks, seconds=round(seconds, 4), out_tok_s=toks / seconds if seconds > 0 else 0.0,
-                ttft_p50_ms=_ms(ttft, 50), ttft_p90_ms=_ms(ttft, 90), req_tok_s_p50=float(np.median(per)) if per else None,
-                tokens_counted_by='+'.join(sorted({r['counted_by'] for r in ok})) or None)
+    return dict(
+        requests=len(rs),
+        ok=len(ok),
+        failed=len(rs) - len(ok),
+        errors=list(dict.fromkeys(r['error'] for r in rs if not r['ok']))[:3],
+        output_tokens=toks,
+        seconds=round(seconds, 4),
+        out_tok_s=toks / seconds if seconds > 0 else 0.0,
+        ttft_p50_ms=_ms(ttft, 50),
+        ttft_p90_ms=_ms(ttft, 90),
+        req_tok_s_p50=float(np.median(per)) if per else None,
+        tokens_counted_by='+'.join(sorted({r['counted_by'] for r in ok})) or None,
+    )
 
 # %% ../nbs/80_servebench.ipynb #31a9988f
-def base_root(base_url:str)->str:
+def base_root(base_url: str) -> str:
     "The server root of an OpenAI base URL: `http://h:p/v1` -> `http://h:p`"
     u = base_url.rstrip('/')
     return u[:-3] if u.endswith('/v1') else u
 
-def _get(url:str, timeout:float=5.0)->str|None:
+
+def _get(url: str, timeout: float = 5.0) -> str | None:
     "Body of `GET url`, None on any HTTP or connection error"
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r: return r.read().decode()
-    except (OSError, ValueError): return None
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.read().decode()
+    except (OSError, ValueError):
+        return None
 
 # %% ../nbs/80_servebench.ipynb #dbae60f8
 _PROM = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+(\S+)')
 
-def prom_value(text:str, # Prometheus text exposition
-               name:str, # metric name without `_total`
-              )->float|None:
+
+def prom_value(
+    text: str,  # Prometheus text exposition
+    name: str,  # metric name without `_total`
+) -> float | None:
     "Sum of counter `name` (or `name_total`) over all its label sets; None if the text has no such series"
     vals = [float(m[2]) for l in text.splitlines() if (m := _PROM.match(l)) and m[1] in (name, name + '_total')]
     return sum(vals) if vals else None
@@ -120,71 +159,118 @@ def prom_value(text:str, # Prometheus text exposition
 # %% ../nbs/80_servebench.ipynb #525d39b2
 VLLM_COUNTERS = dict(accepted='vllm:spec_decode_num_accepted_tokens', drafts='vllm:spec_decode_num_drafts')
 
-def _sglang_state(txt:str)->dict|None:
-    "SGLang's speculation state from a `get_server_info` body (None if it is not one)"
-    try: info = json.loads(txt)
-    except ValueError: return None
-    if not isinstance(info, dict) or 'internal_states' not in info: return None
-    a = [s['avg_spec_accept_length'] for s in info['internal_states'] or [] if isinstance(s, dict) and s.get('avg_spec_accept_length') is not None]
-    return dict(engine='sglang', avg_spec_accept_length=float(np.mean(a)) if a else None)  # mean over data-parallel schedulers
 
-def spec_state(base_url:str, timeout:float=5.0)->dict|None:
+def _sglang_state(txt: str) -> dict | None:
+    "SGLang's speculation state from a `get_server_info` body (None if it is not one)"
+    try:
+        info = json.loads(txt)
+    except ValueError:
+        return None
+    if not isinstance(info, dict) or 'internal_states' not in info:
+        return None
+    a = [
+        s['avg_spec_accept_length']
+        for s in info['internal_states'] or []
+        if isinstance(s, dict) and s.get('avg_spec_accept_length') is not None
+    ]
+    return dict(
+        engine='sglang', avg_spec_accept_length=float(np.mean(a)) if a else None
+    )  # mean over data-parallel schedulers
+
+
+def spec_state(base_url: str, timeout: float = 5.0) -> dict | None:
     "What the server at `base_url` reports about speculation now (SGLang's average or vLLM's counters); None if neither"
     root = base_root(base_url)
     for p in ('/get_server_info', '/server_info'):
-        if (txt := _get(root + p, timeout)) and (st := _sglang_state(txt)): return st
+        if (txt := _get(root + p, timeout)) and (st := _sglang_state(txt)):
+            return st
     if txt := _get(root + '/metrics', timeout):
         v = {k: prom_value(txt, n) for k, n in VLLM_COUNTERS.items()}
-        if None not in v.values(): return dict(engine='vllm', **v)
+        if None not in v.values():
+            return dict(engine='vllm', **v)
     return None
 
 # %% ../nbs/80_servebench.ipynb #19f56bd7
-def accept_length(base_url:str,     # OpenAI base URL of the server (.../v1)
-                  before:dict=None, # `spec_state` read before the run; vLLM's counters are differenced against it
-                  timeout:float=5.0,
-                 )->float|None:     # mean tokens per target forward, bonus included; None if the server does not say
+def accept_length(
+    base_url: str,  # OpenAI base URL of the server (.../v1)
+    before: dict = None,  # `spec_state` read before the run; vLLM's counters are differenced against it
+    timeout: float = 5.0,
+) -> float | None:  # mean tokens per target forward, bonus included; None if the server does not say
     "The accept length the server at `base_url` reports: vLLM since `before`, SGLang since the server started"
     now = spec_state(base_url, timeout)
-    if now is None: return None
-    if now['engine'] == 'sglang': return now['avg_spec_accept_length']
+    if now is None:
+        return None
+    if now['engine'] == 'sglang':
+        return now['avg_spec_accept_length']
     b = before if before and before.get('engine') == 'vllm' else dict(accepted=0.0, drafts=0.0)
     drafts = now['drafts'] - b['drafts']
     return 1 + (now['accepted'] - b['accepted']) / drafts if drafts > 0 else None  # no drafts in the window: unknown
 
 # %% ../nbs/80_servebench.ipynb #bf13224a
-def bench_endpoint(base_url:str,         # OpenAI-compatible base URL (.../v1)
-                   model:str,            # model id the server serves
-                   prompts:list,         # strings, lists of chat messages, or token-id lists (raw completions)
-                   concurrency:int,      # requests in flight at once
-                   max_tokens:int=128,   # output tokens per request (at most)
-                   api_key:str=None,     # bearer token; None sends 'EMPTY'
-                   timeout:float=120.0,  # seconds per request
-                  )->dict:               # one row: see `summarize`, plus concurrency, max_tokens, accept_len
+def bench_endpoint(
+    base_url: str,  # OpenAI-compatible base URL (.../v1)
+    model: str,  # model id the server serves
+    prompts: list,  # strings, lists of chat messages, or token-id lists (raw completions)
+    concurrency: int,  # requests in flight at once
+    max_tokens: int = 128,  # output tokens per request (at most)
+    api_key: str = None,  # bearer token; None sends 'EMPTY'
+    timeout: float = 120.0,  # seconds per request
+) -> dict:  # one row: see `summarize`, plus concurrency, max_tokens, accept_len
     "Stream every prompt through `base_url` with `concurrency` in flight; throughput, TTFT, failures, accept length"
-    if concurrency < 1: raise ValueError(f'concurrency must be >= 1, got {concurrency}')
+    if concurrency < 1:
+        raise ValueError(f'concurrency must be >= 1, got {concurrency}')
     msgs = [as_messages(p) for p in prompts]
     before = spec_state(base_url)
     rs, seconds = _run(_bench(base_url, model, msgs, concurrency, max_tokens, api_key, timeout))
-    return dict(concurrency=concurrency, max_tokens=max_tokens, **summarize(rs, seconds), accept_len=accept_length(base_url, before))
+    return dict(
+        concurrency=concurrency,
+        max_tokens=max_tokens,
+        **summarize(rs, seconds),
+        accept_len=accept_length(base_url, before),
+    )
 
 # %% ../nbs/80_servebench.ipynb #33eec83e
-COLUMNS = ['endpoint', 'concurrency', 'requests', 'ok', 'failed', 'out_tok_s', 'speedup', 'accept_len', 'ttft_p50_ms', 'ttft_p90_ms',
-           'req_tok_s_p50', 'output_tokens', 'seconds', 'tokens_counted_by', 'max_tokens', 'url', 'model', 'errors']
+COLUMNS = [
+    'endpoint',
+    'concurrency',
+    'requests',
+    'ok',
+    'failed',
+    'out_tok_s',
+    'speedup',
+    'accept_len',
+    'ttft_p50_ms',
+    'ttft_p90_ms',
+    'req_tok_s_p50',
+    'output_tokens',
+    'seconds',
+    'tokens_counted_by',
+    'max_tokens',
+    'url',
+    'model',
+    'errors',
+]
 
-def serve_bench(baseline:str,             # base URL of the target alone
-                speculative:str,          # base URL of the target with the draft
-                model:str,                # model id on the baseline (and on the speculative server unless `spec_model`)
-                prompts:list,             # strings or lists of chat messages
-                concurrencies=(1, 8),     # requests in flight, one pair of runs each
-                max_tokens:int=128,       # output tokens per request (at most)
-                spec_model:str=None,      # model id on the speculative server, when it differs
-                api_key:str=None,         # bearer token for both
-               )->pd.DataFrame:           # one row per (endpoint, concurrency), see `COLUMNS`
+
+def serve_bench(
+    baseline: str,  # base URL of the target alone
+    speculative: str,  # base URL of the target with the draft
+    model: str,  # model id on the baseline (and on the speculative server unless `spec_model`)
+    prompts: list,  # strings or lists of chat messages
+    concurrencies=(1, 8),  # requests in flight, one pair of runs each
+    max_tokens: int = 128,  # output tokens per request (at most)
+    spec_model: str = None,  # model id on the speculative server, when it differs
+    api_key: str = None,  # bearer token for both
+) -> pd.DataFrame:  # one row per (endpoint, concurrency), see `COLUMNS`
     "Bench baseline and speculative endpoints on the same prompts at each concurrency; speedup per concurrency"
     eps = dict(baseline=(baseline, model), speculative=(speculative, spec_model or model))
-    for url, m in dict.fromkeys(eps.values()): bench_endpoint(url, m, prompts[:1], 1, max_tokens, api_key)  # warm-up
-    rows = [dict(endpoint=name, url=url, model=m, **bench_endpoint(url, m, prompts, c, max_tokens, api_key))
-            for c in concurrencies for name, (url, m) in eps.items()]
+    for url, m in dict.fromkeys(eps.values()):
+        bench_endpoint(url, m, prompts[:1], 1, max_tokens, api_key)  # warm-up
+    rows = [
+        dict(endpoint=name, url=url, model=m, **bench_endpoint(url, m, prompts, c, max_tokens, api_key))
+        for c in concurrencies
+        for name, (url, m) in eps.items()
+    ]
     df = pd.DataFrame(rows)
     base = df[df.endpoint == 'baseline'].set_index('concurrency').out_tok_s
     df['speedup'] = df.out_tok_s / df.concurrency.map(base.where(base > 0))
@@ -193,179 +279,264 @@ def serve_bench(baseline:str,             # base URL of the target alone
 # %% ../nbs/80_servebench.ipynb #37fc287c
 WORKED_EXAMPLE = dict(base_tok_s=90.0, spec_tok_s=82.3, accept_len=2.1)  # the seeds' measurement
 
-def break_even(base_tok_s:float,  # baseline output tok/s
-               spec_tok_s:float,  # speculative output tok/s, same prompts and concurrency
-               accept_len:float,  # accept length the speculative server reported for that run
-              )->dict:            # cost c, speedup, break_even_accept_len (= c), and the inputs
+
+def break_even(
+    base_tok_s: float,  # baseline output tok/s
+    spec_tok_s: float,  # speculative output tok/s, same prompts and concurrency
+    accept_len: float,  # accept length the speculative server reported for that run
+) -> dict:  # cost c, speedup, break_even_accept_len (= c), and the inputs
     "Cost of a speculative round in baseline decode steps, and the accept length where speculation breaks even"
-    if not (base_tok_s > 0 and spec_tok_s > 0): raise ValueError(f'break-even needs positive tok/s; got baseline {base_tok_s}, speculative {spec_tok_s}')
-    if accept_len is None or not accept_len >= 1: raise ValueError(f'accept length must be >= 1 (bonus token included), got {accept_len}')
+    if not (base_tok_s > 0 and spec_tok_s > 0):
+        raise ValueError(f'break-even needs positive tok/s; got baseline {base_tok_s}, speculative {spec_tok_s}')
+    if accept_len is None or not accept_len >= 1:
+        raise ValueError(f'accept length must be >= 1 (bonus token included), got {accept_len}')
     c = accept_len * base_tok_s / spec_tok_s
-    return dict(base_tok_s=base_tok_s, spec_tok_s=spec_tok_s, accept_len=accept_len, cost=c, speedup=spec_tok_s / base_tok_s, break_even_accept_len=c)
+    return dict(
+        base_tok_s=base_tok_s,
+        spec_tok_s=spec_tok_s,
+        accept_len=accept_len,
+        cost=c,
+        speedup=spec_tok_s / base_tok_s,
+        break_even_accept_len=c,
+    )
 
 # %% ../nbs/80_servebench.ipynb #d6aa0b02
-def plot_break_even(base_tok_s:float, spec_tok_s:float, accept_len:float, # one measurement, as for `break_even`
-                    ax=None,             # matplotlib Axes to draw on; None makes a figure
-                    label:str=None,      # legend entry for this curve
-                    draft_tokens:int=4,  # tokens verified per round; the x axis runs to draft_tokens + 1
-                   ):
+def plot_break_even(
+    base_tok_s: float,
+    spec_tok_s: float,
+    accept_len: float,  # one measurement, as for `break_even`
+    ax=None,  # matplotlib Axes to draw on; None makes a figure
+    label: str = None,  # legend entry for this curve
+    draft_tokens: int = 4,  # tokens verified per round; the x axis runs to draft_tokens + 1
+):
     "Speedup against accept length for the measured round cost, break-even dashed, the measurement marked"
-    b = break_even(base_tok_s, spec_tok_s, accept_len); c = b['cost']
+    b = break_even(base_tok_s, spec_tok_s, accept_len)
+    c = b['cost']
     ax = ax or plt.subplots(figsize=(5.5, 3.5))[1]
     x = np.linspace(1, max(draft_tokens + 1, 1.15 * c, 1.1 * accept_len), 200)
-    line, = ax.plot(x, x / c, label=label or f'round = {c:.2f} decode steps')
+    (line,) = ax.plot(x, x / c, label=label or f'round = {c:.2f} decode steps')
     ax.axhline(1, c='gray', lw=0.8)
     ax.axvline(c, ls='--', lw=1, c=line.get_color())
     ax.plot([accept_len], [b['speedup']], 'o', c=line.get_color())
-    ax.set(xlabel='accept length (tokens per target forward)', ylabel='speedup over baseline', title=f'break-even at accept length {c:.2f}')
+    ax.set(
+        xlabel='accept length (tokens per target forward)',
+        ylabel='speedup over baseline',
+        title=f'break-even at accept length {c:.2f}',
+    )
     ax.legend(fontsize=8)
     return ax
 
 # %% ../nbs/80_servebench.ipynb #ebbf1ef4
-def break_even_table(df:pd.DataFrame)->pd.DataFrame: # one row per concurrency with a measured accept length
+def break_even_table(df: pd.DataFrame) -> pd.DataFrame:  # one row per concurrency with a measured accept length
     "`break_even` at each concurrency of a `serve_bench` table where it can be computed"
     rows = []
     for c, g in df.groupby('concurrency'):
         e = g.set_index('endpoint')
-        if not {'baseline', 'speculative'} <= set(e.index): continue
+        if not {'baseline', 'speculative'} <= set(e.index):
+            continue
         b, s = e.loc['baseline'], e.loc['speculative']
         if pd.notna(s.accept_len) and b.out_tok_s > 0 and s.out_tok_s > 0:
             rows.append(dict(concurrency=c, **break_even(b.out_tok_s, s.out_tok_s, float(s.accept_len))))
-    return pd.DataFrame(rows, columns=['concurrency', 'base_tok_s', 'spec_tok_s', 'accept_len', 'cost', 'speedup', 'break_even_accept_len'])
+    return pd.DataFrame(
+        rows,
+        columns=['concurrency', 'base_tok_s', 'spec_tok_s', 'accept_len', 'cost', 'speedup', 'break_even_accept_len'],
+    )
 
-def plot_serve_bench(df:pd.DataFrame, ax=None, draft_tokens:int=4):
+
+def plot_serve_bench(df: pd.DataFrame, ax=None, draft_tokens: int = 4):
     "Break-even curves of a `serve_bench` table, one per concurrency; the seeds' worked example when none is measured"
     be = break_even_table(df)
     if not len(be):
         ax = plot_break_even(**WORKED_EXAMPLE, ax=ax, label='seeds: 82.3 vs 90 tok/s at 2.1', draft_tokens=draft_tokens)
-        ax.set_title("no accept length measured: the seeds' worked example"); return ax
-    for r in be.itertuples(): ax = plot_break_even(r.base_tok_s, r.spec_tok_s, r.accept_len, ax=ax, label=f'C={r.concurrency}: {r.speedup:.2f}x at {r.accept_len:.2f}', draft_tokens=draft_tokens)
+        ax.set_title("no accept length measured: the seeds' worked example")
+        return ax
+    for r in be.itertuples():
+        ax = plot_break_even(
+            r.base_tok_s,
+            r.spec_tok_s,
+            r.accept_len,
+            ax=ax,
+            label=f'C={r.concurrency}: {r.speedup:.2f}x at {r.accept_len:.2f}',
+            draft_tokens=draft_tokens,
+        )
     return ax
 
 # %% ../nbs/80_servebench.ipynb #9ce1d1b9
-def event_prompt(c:dict, event:int)->list:
+def event_prompt(c: dict, event: int) -> list:
     "Canonical messages before assistant turn `event` of conversation `c` (all of them for a prompt-only one)"
     turns = [i for i, m in enumerate(c['messages']) if m['role'] == 'assistant']
-    if c.get('kind') == 'prompt_only' or event >= len(turns): return list(c['messages'])
-    return list(c['messages'][:turns[event]])
+    if c.get('kind') == 'prompt_only' or event >= len(turns):
+        return list(c['messages'])
+    return list(c['messages'][: turns[event]])
 
-def chat_prompt(messages:list)->list|None:
+
+def chat_prompt(messages: list) -> list | None:
     "System, user and assistant text turns, cut after the last user turn; None without a user turn"
-    ms = [dict(role=m['role'], content=m['content']) for m in messages if m['role'] in ('system', 'user', 'assistant') and m.get('content')]
+    ms = [
+        dict(role=m['role'], content=m['content'])
+        for m in messages
+        if m['role'] in ('system', 'user', 'assistant') and m.get('content')
+    ]
     last = max((i for i, m in enumerate(ms) if m['role'] == 'user'), default=None)
-    return None if last is None else ms[:last + 1]
+    return None if last is None else ms[: last + 1]
 
 # %% ../nbs/80_servebench.ipynb #053487a3
-def _data_root(recipe_or_root)->Path:
+def _data_root(recipe_or_root) -> Path:
     "Data root of a `Recipe`, a recipe YAML file, or a data-root folder"
-    if isinstance(recipe_or_root, Recipe): return Path(recipe_or_root.data_root)
+    if isinstance(recipe_or_root, Recipe):
+        return Path(recipe_or_root.data_root)
     p = Path(recipe_or_root)
     return Path(load_recipe(p).data_root) if p.suffix in ('.yaml', '.yml') else p
 
-def _conversation(root:Path, dataset:str, cid:str, cache:dict)->dict|None:
+
+def _conversation(root: Path, dataset: str, cid: str, cache: dict) -> dict | None:
     "Canonical conversation `cid` of `prepared/<dataset>` (loaded once per dataset)"
     if dataset not in cache:
-        d = root/'prepared'/dataset
+        d = root / 'prepared' / dataset
         cache[dataset] = {c['sample_id']: c for c in conversations(d)} if read_manifest(d) else {}
     return cache[dataset].get(cid)
 
 # %% ../nbs/80_servebench.ipynb #fb59b18f
-def eval_prompts(recipe_or_root, # a Recipe, a recipe YAML file, or a data root
-                 n:int=16,       # at most this many prompts
-                )->list:         # lists of chat messages
+def eval_prompts(
+    recipe_or_root,  # a Recipe, a recipe YAML file, or a data root
+    n: int = 16,  # at most this many prompts
+) -> list:  # lists of chat messages
     "Chat prompts of the corpus's eval split; the prepared conversations when the eval split is empty"
     root, out, cache = _data_root(recipe_or_root), [], {}
-    ev = load_corpus(root/'corpus', 'eval') if read_corpus_manifest(root/'corpus') else []
-    for row in (ev.select_columns(['sample_id', 'conversation_id', 'dataset']) if len(ev) else []):
+    ev = load_corpus(root / 'corpus', 'eval') if read_corpus_manifest(root / 'corpus') else []
+    for row in ev.select_columns(['sample_id', 'conversation_id', 'dataset']) if len(ev) else []:
         c = _conversation(root, row['dataset'], row['conversation_id'], cache)
-        if c and (p := chat_prompt(event_prompt(c, int(row['sample_id'].rsplit('-e', 1)[1])))): out.append(p)
-        if len(out) >= n: return out
-    if out: return out
-    for m in sorted((root/'prepared').glob('*/manifest.json')):  # no eval split: fall back to the prepared conversations
+        if c and (p := chat_prompt(event_prompt(c, int(row['sample_id'].rsplit('-e', 1)[1])))):
+            out.append(p)
+        if len(out) >= n:
+            return out
+    if out:
+        return out
+    for m in sorted(
+        (root / 'prepared').glob('*/manifest.json')
+    ):  # no eval split: fall back to the prepared conversations
         for c in conversations(m.parent):
-            if p := chat_prompt(c['messages']): out.append(p)
-            if len(out) >= n: return out
+            if p := chat_prompt(c['messages']):
+                out.append(p)
+            if len(out) >= n:
+                return out
     return out
 
 # %% ../nbs/80_servebench.ipynb #44fb0ac3
-def load_prompts(path)->list: # lists of chat messages
+def load_prompts(path) -> list:  # lists of chat messages
     "Prompts from a `.json` list or a `.jsonl` file: each a string, a list of messages, or `{'messages': [...]}`"
     p = Path(path)
-    if not p.exists(): raise FileNotFoundError(f'{p}: no such prompts file (a .json list or .jsonl lines of strings or message lists)')
+    if not p.exists():
+        raise FileNotFoundError(f'{p}: no such prompts file (a .json list or .jsonl lines of strings or message lists)')
     from eagle3nb.recipe import read_text
+
     text = read_text(p, 'save the prompts as UTF-8 text')
     items, k = [], None  # k: the JSON line being read
     try:
-        if p.suffix == '.json': items = json.loads(text)
+        if p.suffix == '.json':
+            items = json.loads(text)
         else:
             for k, l in enumerate(text.splitlines(), 1):
-                if l.strip(): items.append(json.loads(l))
+                if l.strip():
+                    items.append(json.loads(l))
     except ValueError as e:
-        raise ValueError(f"{p} line {k or getattr(e, 'lineno', '?')} is not valid JSON ({str(e).splitlines()[0][:80]}): "
-                         "write each prompt as a JSON string or a list of messages") from None
+        raise ValueError(
+            f"{p} line {k or getattr(e, 'lineno', '?')} is not valid JSON ({str(e).splitlines()[0][:80]}): "
+            "write each prompt as a JSON string or a list of messages"
+        ) from None
     return [as_messages(x) for x in items]
 
-def bench_record(df:pd.DataFrame, **extra)->dict:
+
+def bench_record(df: pd.DataFrame, **extra) -> dict:
     "JSON-able record of a bench: `extra`, the rows and the break-even table (NaN as null)"
     js = lambda d: json.loads(d.to_json(orient='records'))
     return dict(**extra, rows=js(df), break_even=js(break_even_table(df)))
 
-def _write_json(path:Path, obj):
+
+def _write_json(path: Path, obj):
     "Write `obj` as JSON to `path` whole, under a fresh temp name (never a user's `.NAME.tmp`)"
     from eagle3nb.recipe import atomic_write
-    with atomic_write(path) as f: f.write(json.dumps(obj, indent=1, default=str))
+
+    with atomic_write(path) as f:
+        f.write(json.dumps(obj, indent=1, default=str))
 
 # %% ../nbs/80_servebench.ipynb #fe316461
-def _check_out(out)->Path|None:
+def _check_out(out) -> Path | None:
     "`out` if the bench may write it: absent, or an earlier bench record"
-    if out is None: return None
+    if out is None:
+        return None
     p = Path(out)
-    try: ok = not p.exists() or isinstance(rec := json.loads(p.read_text()), dict) and 'rows' in rec
-    except (OSError, ValueError): ok = False
-    if not ok: raise FileExistsError(f"{p} exists and is not a serve-bench record; it is never replaced: give another --out")
+    try:
+        ok = not p.exists() or isinstance(rec := json.loads(p.read_text()), dict) and 'rows' in rec
+    except (OSError, ValueError):
+        ok = False
+    if not ok:
+        raise FileExistsError(f"{p} exists and is not a serve-bench record; it is never replaced: give another --out")
     return p
 
-def _check_answered(df:pd.DataFrame):
+
+def _check_answered(df: pd.DataFrame):
     "`ValueError` when an endpoint answered no request: such a run is no benchmark and replaces nothing"
     for ep, g in df.groupby('endpoint'):
         if g.ok.sum() == 0:
             err = next((e[0] for e in g.errors if e), 'no answer')
-            raise ValueError(f"no request succeeded on the {ep} endpoint {g.url.iloc[0]} ({err}); nothing written: is the server up?")
+            raise ValueError(
+                f"no request succeeded on the {ep} endpoint {g.url.iloc[0]} ({err}); nothing written: is the server up?"
+            )
 
 # %% ../nbs/80_servebench.ipynb #e8f60b93
-def serve_bench_cli(baseline:str,          # base URL of the target alone (.../v1)
-                    speculative:str,       # base URL of the target with the draft
-                    model:str=None,        # served model id; default the first one the baseline lists
-                    prompts:str=None,      # prompts file (.json / .jsonl); default the recipe's eval split
-                    recipe:str=None,       # recipe YAML: its eval prompts and API key
-                    concurrency:str='1,8', # comma-separated concurrencies
-                    max_tokens:int=128,    # output tokens per request (at most)
-                    n:int=16,              # prompts to send at each concurrency
-                    out:str=None,          # write the JSON record here, and break_even.png next to it
-                   )->pd.DataFrame:
+def serve_bench_cli(
+    baseline: str,  # base URL of the target alone (.../v1)
+    speculative: str,  # base URL of the target with the draft
+    model: str = None,  # served model id; default the first one the baseline lists
+    prompts: str = None,  # prompts file (.json / .jsonl); default the recipe's eval split
+    recipe: str = None,  # recipe YAML: its eval prompts and API key
+    concurrency: str = '1,8',  # comma-separated concurrencies
+    max_tokens: int = 128,  # output tokens per request (at most)
+    n: int = 16,  # prompts to send at each concurrency
+    out: str = None,  # write the JSON record here, and break_even.png next to it
+) -> pd.DataFrame:
     "`eagle3nb serve-bench`: bench baseline vs speculative, print the table and the break-even"
     r, out = load_recipe(recipe) if recipe else None, _check_out(out)
-    try: cs = [int(c) for c in str(concurrency).split(',') if c.strip()]
-    except ValueError: raise ValueError(f"--concurrency {concurrency!r}: give comma-separated integers, e.g. 1,8") from None
-    if not cs or min(cs) < 1: raise ValueError(f"--concurrency {concurrency!r}: give concurrencies >= 1, e.g. 1,8")
-    if prompts: ps = load_prompts(prompts)
-    elif r: ps = eval_prompts(r, n)
-    else: raise ValueError('give --prompts FILE (.json / .jsonl) or --recipe RECIPE (its eval split)')
-    if not ps: raise ValueError(f"no prompts in {prompts or recipe}: is the corpus merged (phase 40) or the file empty?")
-    try: model = model or list_models(baseline)[0]
+    try:
+        cs = [int(c) for c in str(concurrency).split(',') if c.strip()]
+    except ValueError:
+        raise ValueError(f"--concurrency {concurrency!r}: give comma-separated integers, e.g. 1,8") from None
+    if not cs or min(cs) < 1:
+        raise ValueError(f"--concurrency {concurrency!r}: give concurrencies >= 1, e.g. 1,8")
+    if prompts:
+        ps = load_prompts(prompts)
+    elif r:
+        ps = eval_prompts(r, n)
+    else:
+        raise ValueError('give --prompts FILE (.json / .jsonl) or --recipe RECIPE (its eval split)')
+    if not ps:
+        raise ValueError(f"no prompts in {prompts or recipe}: is the corpus merged (phase 40) or the file empty?")
+    try:
+        model = model or list_models(baseline)[0]
     except (OSError, ValueError, KeyError, IndexError) as e:
-        raise ValueError(f"--baseline {baseline}: no model list from it ({type(e).__name__}: {str(e)[:120]}); is the server up? or pass --model") from None
+        raise ValueError(
+            f"--baseline {baseline}: no model list from it ({type(e).__name__}: {str(e)[:120]}); is the server up? or pass --model"
+        ) from None
     df = serve_bench(baseline, speculative, model, ps[:n], cs, max_tokens, api_key=recipe_api_key(r) if r else None)
     print(df.drop(columns=['url', 'model', 'errors']).round(3).to_string(index=False))
-    for e in (x for x in df.errors if x): print('errors:', *e, sep='\n  ')
+    for e in (x for x in df.errors if x):
+        print('errors:', *e, sep='\n  ')
     be = break_even_table(df)
     for b in be.itertuples():
-        print(f'C={b.concurrency}: a round costs {b.cost:.3f} decode steps; speedup {b.speedup:.3f} at accept length {b.accept_len:.2f}; '
-              f'break-even at accept length {b.break_even_accept_len:.3f}')
-    if not len(be): print('no accept length from the speculative server (neither SGLang get_server_info nor vLLM metrics): no break-even')
+        print(
+            f'C={b.concurrency}: a round costs {b.cost:.3f} decode steps; speedup {b.speedup:.3f} at accept length {b.accept_len:.2f}; '
+            f'break-even at accept length {b.break_even_accept_len:.3f}'
+        )
+    if not len(be):
+        print(
+            'no accept length from the speculative server (neither SGLang get_server_info nor vLLM metrics): no break-even'
+        )
     _check_answered(df)
     if out:
         _write_json(out, bench_record(df, baseline=baseline, speculative=speculative, model=model, prompts=len(ps[:n])))
-        ax = plot_serve_bench(df); ax.figure.savefig(out.with_name('break_even.png'), dpi=100, bbox_inches='tight'); plt.close(ax.figure)
+        ax = plot_serve_bench(df)
+        ax.figure.savefig(out.with_name('break_even.png'), dpi=100, bbox_inches='tight')
+        plt.close(ax.figure)
         print(f'wrote {out} and {out.with_name("break_even.png")}')
     return df

@@ -16,114 +16,173 @@ from pathlib import Path
 from fastcore.basics import patch
 
 # %% ../nbs/03_server.ipynb #8d320735
-def free_port(host:str='127.0.0.1', # interface to bind; loopback by default
-             )->int:                  # a TCP port nobody listens on right now
+def free_port(
+    host: str = '127.0.0.1',  # interface to bind; loopback by default
+) -> int:  # a TCP port nobody listens on right now
     "A free TCP port on `host`, chosen by the kernel"
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 # %% ../nbs/03_server.ipynb #0410a553
-def port_in_use(port:int, host:str='127.0.0.1')->bool:
+def port_in_use(port: int, host: str = '127.0.0.1') -> bool:
     "True if a server could not listen on `host:port` now"
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: closed connections in TIME_WAIT don't count
-        try: s.bind((host, port))
-        except OSError: return True
+        s.setsockopt(
+            socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+        )  # as uvicorn does: closed connections in TIME_WAIT don't count
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
         return False
 
 # %% ../nbs/03_server.ipynb #e9025c1f
-CB_FLAGS = ['--cb-num-blocks', '512', '--cb-block-size', '32', '--cb-max-batch-tokens', '2048']  # ~160 MB of KV cache, not 8.5 GB
+CB_FLAGS = [
+    '--cb-num-blocks',
+    '512',
+    '--cb-block-size',
+    '32',
+    '--cb-max-batch-tokens',
+    '2048',
+]  # ~160 MB of KV cache, not 8.5 GB
 
-def _model_id(model_dir)->str:
+
+def _model_id(model_dir) -> str:
     "The FORCE_MODEL string: an absolute path for a local dir, else the name as given"
     p = Path(model_dir).expanduser()
     return str(p.resolve()) if p.exists() else str(model_dir)
 
 # %% ../nbs/03_server.ipynb #962d2f46
-def serve_command(model_dir,                     # model directory (HF layout), served as the only model
-                  port:int,                      # TCP port to listen on
-                  host:str='127.0.0.1',          # interface; keep loopback unless you mean to expose it
-                  continuous_batching:bool=False, # paged-attention batching; crashes on DeepseekV3 (MLA) on CPU
-                  extra:list=(),                 # more `transformers serve` flags, e.g. ['--dtype', 'float32']
-                 )->list:                        # argv for `subprocess`
+def serve_command(
+    model_dir,  # model directory (HF layout), served as the only model
+    port: int,  # TCP port to listen on
+    host: str = '127.0.0.1',  # interface; keep loopback unless you mean to expose it
+    continuous_batching: bool = False,  # paged-attention batching; crashes on DeepseekV3 (MLA) on CPU
+    extra: list = (),  # more `transformers serve` flags, e.g. ['--dtype', 'float32']
+) -> list:  # argv for `subprocess`
     "The `transformers serve` argv that serves `model_dir` alone on `host:port`"
-    cmd = [sys.executable, '-m', 'transformers.cli.transformers', 'serve', _model_id(model_dir),
-           '--host', host, '--port', str(port)]
-    if continuous_batching: cmd += ['--continuous-batching', *CB_FLAGS]
+    cmd = [
+        sys.executable,
+        '-m',
+        'transformers.cli.transformers',
+        'serve',
+        _model_id(model_dir),
+        '--host',
+        host,
+        '--port',
+        str(port),
+    ]
+    if continuous_batching:
+        cmd += ['--continuous-batching', *CB_FLAGS]
     return cmd + [str(a) for a in extra]
 
 # %% ../nbs/03_server.ipynb #1471111f
 class ServerNotReady(RuntimeError):
     "No OpenAI-compatible server answered at the URL in time"
 
+
 class ModelMismatch(RuntimeError):
     "A server answered but does not serve the expected model"
 
 # %% ../nbs/03_server.ipynb #b5e9fafb
-def list_models(base_url:str,      # OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1
-                api_key:str=None,  # sent as a bearer token when given
-                timeout:float=5,   # seconds for this one request
-               )->list:            # model ids the server lists
+def list_models(
+    base_url: str,  # OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1
+    api_key: str = None,  # sent as a bearer token when given
+    timeout: float = 5,  # seconds for this one request
+) -> list:  # model ids the server lists
     "Model ids from `GET {base_url}/models`; raises `OSError` if nothing answers"
     req = urllib.request.Request(base_url.rstrip('/') + '/models')
-    if api_key: req.add_header('Authorization', f'Bearer {api_key}')
-    with urllib.request.urlopen(req, timeout=timeout) as r: return [m['id'] for m in json.load(r)['data']]
+    if api_key:
+        req.add_header('Authorization', f'Bearer {api_key}')
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return [m['id'] for m in json.load(r)['data']]
 
 # %% ../nbs/03_server.ipynb #c0a177f9
 def _not_ready(base_url, waited, err):
     port = urllib.parse.urlparse(base_url).port or 8000
-    return ServerNotReady(f"No server answered at {base_url}/models after {waited:.1f} s ({err}). "
-                          f"Start one with `eagle3nb serve MODEL_DIR --port {port}`, or check the URL.")
+    return ServerNotReady(
+        f"No server answered at {base_url}/models after {waited:.1f} s ({err}). "
+        f"Start one with `eagle3nb serve MODEL_DIR --port {port}`, or check the URL."
+    )
+
 
 def _mismatch(base_url, model, served):
-    return ModelMismatch(f"The server at {base_url} serves {served}, not {model!r}. Another server holds "
-                         f"this port (stop it), or the URL points at the wrong server.")
+    return ModelMismatch(
+        f"The server at {base_url} serves {served}, not {model!r}. Another server holds "
+        f"this port (stop it), or the URL points at the wrong server."
+    )
 
 # %% ../nbs/03_server.ipynb #06fb94ad
-def wait_for_server(base_url:str,      # OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1
-                    model:str=None,    # model id that must be listed; None: any answer will do
-                    timeout:float=60,  # seconds to keep polling
-                    api_key:str=None,  # bearer token, for servers that check one
-                    poll:float=0.25,   # seconds between polls
-                    alive=None,        # called before each poll; raise there to stop waiting early
-                   )->list:            # model ids the server lists
+def wait_for_server(
+    base_url: str,  # OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1
+    model: str = None,  # model id that must be listed; None: any answer will do
+    timeout: float = 60,  # seconds to keep polling
+    api_key: str = None,  # bearer token, for servers that check one
+    poll: float = 0.25,  # seconds between polls
+    alive=None,  # called before each poll; raise there to stop waiting early
+) -> list:  # model ids the server lists
     "Poll `{base_url}/models` until it answers (and lists `model`); clear errors otherwise"
     base_url, t0, err = base_url.rstrip('/'), time.monotonic(), None
     while True:
-        if alive is not None: alive()
-        try: served = list_models(base_url, api_key, timeout=max(poll, 1))
-        except (OSError, ValueError, KeyError) as e: err = e  # refused, reset, HTTP error, not JSON yet
+        if alive is not None:
+            alive()
+        try:
+            served = list_models(base_url, api_key, timeout=max(poll, 1))
+        except (OSError, ValueError, KeyError) as e:
+            err = e  # refused, reset, HTTP error, not JSON yet
         else:
-            if model is None or model in served: return served
+            if model is None or model in served:
+                return served
             raise _mismatch(base_url, model, served)
-        if time.monotonic() - t0 > timeout: raise _not_ready(base_url, time.monotonic() - t0, err)
+        if time.monotonic() - t0 > timeout:
+            raise _not_ready(base_url, time.monotonic() - t0, err)
         time.sleep(poll)
 
 # %% ../nbs/03_server.ipynb #87cb9003
-def _tail(path, n:int=20)->str:
+def _tail(path, n: int = 20) -> str:
     "The last `n` lines of the text file at `path` ('' if there is none)"
-    try: return '\n'.join(Path(path).read_text(errors='replace').splitlines()[-n:])
-    except OSError: return ''
+    try:
+        return '\n'.join(Path(path).read_text(errors='replace').splitlines()[-n:])
+    except OSError:
+        return ''
 
-def server_env(env:dict=None)->dict:
+
+def server_env(env: dict = None) -> dict:
     "This process's environment plus the settings a CPU toy server needs; `env` wins"
-    return {**os.environ, 'OMP_NUM_THREADS': '1', 'HF_HUB_OFFLINE': '1', 'TOKENIZERS_PARALLELISM': 'false', **(env or {})}
+    return {
+        **os.environ,
+        'OMP_NUM_THREADS': '1',
+        'HF_HUB_OFFLINE': '1',
+        'TOKENIZERS_PARALLELISM': 'false',
+        **(env or {}),
+    }
 
 # %% ../nbs/03_server.ipynb #aac54a02
-def _terminate(proc:subprocess.Popen, grace:float=10,
-               # bound now: may run at exit, after globals are gone
-               _sigs=(signal.SIGTERM, signal.SIGKILL), _killpg=os.killpg,
-               guard:subprocess.Popen=None):  # the group's `guard_group` watchdog, stopped once the group is
+def _terminate(
+    proc: subprocess.Popen,
+    grace: float = 10,
+    # bound now: may run at exit, after globals are gone
+    _sigs=(signal.SIGTERM, signal.SIGKILL),
+    _killpg=os.killpg,
+    guard: subprocess.Popen = None,
+):  # the group's `guard_group` watchdog, stopped once the group is
     "SIGTERM `proc`'s process group, SIGKILL it after `grace` s; returns the exit code"
     for sig in _sigs:
-        if proc.poll() is not None: break
-        try: _killpg(proc.pid, sig)
-        except ProcessLookupError: break
-        try: proc.wait(grace)
-        except Exception: pass  # TimeoutExpired: on to SIGKILL
-    if guard is not None and guard.poll() is None: guard.kill()
-    if guard is not None: guard.wait()
+        if proc.poll() is not None:
+            break
+        try:
+            _killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(grace)
+        except Exception:
+            pass  # TimeoutExpired: on to SIGKILL
+    if guard is not None and guard.poll() is None:
+        guard.kill()
+    if guard is not None:
+        guard.wait()
     return proc.wait()
 
 # %% ../nbs/03_server.ipynb #0c22d8d5
@@ -147,48 +206,67 @@ while alive():
     if select.select([0], [], [], 1.0)[0] and not os.read(0, 1): reap()
 '''
 
-def guard_group(pgid:int,          # the process group to take down, e.g. a server started with `start_new_session`
-                grace:float=10,    # seconds between SIGTERM and SIGKILL
-               )->subprocess.Popen:  # the watchdog; keep it referenced (its stdin is the pipe)
+
+def guard_group(
+    pgid: int,  # the process group to take down, e.g. a server started with `start_new_session`
+    grace: float = 10,  # seconds between SIGTERM and SIGKILL
+) -> subprocess.Popen:  # the watchdog; keep it referenced (its stdin is the pipe)
     "A watchdog that kills process group `pgid` as soon as this process dies, even by SIGKILL"
-    return subprocess.Popen([sys.executable, '-c', _GUARD, str(pgid), str(grace)], stdin=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [sys.executable, '-c', _GUARD, str(pgid), str(grace)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 # %% ../nbs/03_server.ipynb #5fa4cc2b
 OWNERS = 'EAGLE3NB_OWNERS'  # environment variable: the owner tags of a process, one a line
 
+
 @contextmanager
-def owned_by(tag:str):  # e.g. `run:/abs/papermill_runs/<run_id>`
+def owned_by(tag: str):  # e.g. `run:/abs/papermill_runs/<run_id>`
     "Every process started in this block carries `tag` in its environment (see `reap_leftovers`)"
     old = os.environ.get(OWNERS)
     os.environ[OWNERS] = '\n'.join([*(old.split('\n') if old else []), tag])
-    try: yield tag
+    try:
+        yield tag
     finally:
-        if old is None: os.environ.pop(OWNERS, None)
-        else: os.environ[OWNERS] = old
+        if old is None:
+            os.environ.pop(OWNERS, None)
+        else:
+            os.environ[OWNERS] = old
 
 # %% ../nbs/03_server.ipynb #c8f9f32b
-def leftovers(tag:str)->list: # psutil.Process list
+def leftovers(tag: str) -> list:  # psutil.Process list
     "Live processes whose environment carries owner `tag`, other than this process and its parents"
     me = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
     out = []
     for p in psutil.process_iter():
-        if p.pid in me: continue
-        try: tags = p.environ().get(OWNERS, '')
-        except (psutil.Error, OSError): continue
-        if tag in tags.split('\n') and p.status() != psutil.STATUS_ZOMBIE: out.append(p)
+        if p.pid in me:
+            continue
+        try:
+            tags = p.environ().get(OWNERS, '')
+        except (psutil.Error, OSError):
+            continue
+        if tag in tags.split('\n') and p.status() != psutil.STATUS_ZOMBIE:
+            out.append(p)
     return out
 
-def reap_leftovers(tag:str, grace:float=10)->list: # the PIDs stopped
+
+def reap_leftovers(tag: str, grace: float = 10) -> list:  # the PIDs stopped
     "SIGTERM every leftover of owner `tag`, SIGKILL what is left after `grace` s"
     ps = leftovers(tag)
     for p in ps:
-        try: p.terminate()
-        except psutil.NoSuchProcess: pass
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
     _, alive = psutil.wait_procs(ps, timeout=grace)
     for p in alive:
-        try: p.kill()
-        except psutil.NoSuchProcess: pass
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
     psutil.wait_procs(alive, timeout=grace)
     return [p.pid for p in ps]
 
@@ -196,46 +274,68 @@ def reap_leftovers(tag:str, grace:float=10)->list: # the PIDs stopped
 class InUse(FileExistsError):
     "Another live process holds the lock of what we were about to write"
 
+
 @contextmanager
-def hold_lock(path,     # the lock file (made if missing), e.g. papermill_runs/<run_id>/.lock
-              what:str, # what it guards, for the message: `run demo-1`
-             ):
+def hold_lock(
+    path,  # the lock file (made if missing), e.g. papermill_runs/<run_id>/.lock
+    what: str,  # what it guards, for the message: `run demo-1`
+):
     "Hold an exclusive lock on `path` for the block; `InUse` naming the holder when another process has it"
     import fcntl, getpass
+
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     f = open(p, 'a+')
-    try: fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.seek(0)
         h = f.read().strip()
         f.close()
         h = json.loads(h) if h.startswith('{') else {}
         who = f"pid {h.get('pid', '?')} on {h.get('host', '?')}, since {h.get('since', '?')}: {h.get('cmd', '?')}"
-        raise InUse(f"{what} is in use by another live process ({who}); wait for it to end or stop it "
-                    f"(kill {h.get('pid', 'PID')}), then rerun") from None
+        raise InUse(
+            f"{what} is in use by another live process ({who}); wait for it to end or stop it "
+            f"(kill {h.get('pid', 'PID')}), then rerun"
+        ) from None
     f.seek(0)
     f.truncate()
-    f.write(json.dumps(dict(pid=os.getpid(), host=socket.gethostname(), since=time.strftime('%Y-%m-%d %H:%M:%S'),
-                            cmd=' '.join(sys.argv)[:300])) + '\n')
+    f.write(
+        json.dumps(
+            dict(
+                pid=os.getpid(),
+                host=socket.gethostname(),
+                since=time.strftime('%Y-%m-%d %H:%M:%S'),
+                cmd=' '.join(sys.argv)[:300],
+            )
+        )
+        + '\n'
+    )
     f.flush()
-    try: yield p
-    finally: f.close()  # closing releases the lock
+    try:
+        yield p
+    finally:
+        f.close()  # closing releases the lock
 
 # %% ../nbs/03_server.ipynb #8d5c4d94
 class LocalServer:
     "A `transformers serve` process for one model on loopback; a context manager"
-    def __init__(self, model_dir,                 # model directory (HF layout)
-                 port:int=None,                   # TCP port; None picks a free one
-                 host:str='127.0.0.1',            # interface to listen on
-                 log_path=None,                   # server log; None: a new temp file; '-': this terminal
-                 env:dict=None,                   # extra environment for the server (wins over the defaults)
-                 startup_timeout:float=120,       # seconds `wait_ready` waits for the model to be listed
-                 continuous_batching:bool=False,  # see `serve_command`
-                 grace:float=10):                 # seconds between SIGTERM and SIGKILL in `stop`
+
+    def __init__(
+        self,
+        model_dir,  # model directory (HF layout)
+        port: int = None,  # TCP port; None picks a free one
+        host: str = '127.0.0.1',  # interface to listen on
+        log_path=None,  # server log; None: a new temp file; '-': this terminal
+        env: dict = None,  # extra environment for the server (wins over the defaults)
+        startup_timeout: float = 120,  # seconds `wait_ready` waits for the model to be listed
+        continuous_batching: bool = False,  # see `serve_command`
+        grace: float = 10,
+    ):  # seconds between SIGTERM and SIGKILL in `stop`
         self.model_dir, self.host, self.port = model_dir, host, port or free_port(host)
         self.model = _model_id(model_dir)  # the id `/v1/models` lists and requests must name
-        if log_path is None: log_path = Path(tempfile.mkdtemp(prefix='e3nb-serve-'))/'server.log'
+        if log_path is None:
+            log_path = Path(tempfile.mkdtemp(prefix='e3nb-serve-')) / 'server.log'
         self.log_path = log_path if log_path == '-' else Path(log_path)
         self.env, self.startup_timeout, self.grace = env, startup_timeout, grace
         self.cmd = serve_command(model_dir, self.port, host, continuous_batching)
@@ -243,91 +343,131 @@ class LocalServer:
 
 # %% ../nbs/03_server.ipynb #af04e542
 @patch(as_prop=True)
-def base_url(self:LocalServer)->str: "OpenAI-compatible base URL"; return f'http://{self.host}:{self.port}/v1'
+def base_url(self: LocalServer) -> str:
+    "OpenAI-compatible base URL"
+    return f'http://{self.host}:{self.port}/v1'
+
 
 @patch(as_prop=True)
-def pid(self:LocalServer)->int: "PID of the server process (None before `start`)"; return self.proc.pid if self.proc else None
+def pid(self: LocalServer) -> int:
+    "PID of the server process (None before `start`)"
+    return self.proc.pid if self.proc else None
+
 
 @patch(as_prop=True)
-def running(self:LocalServer)->bool: "True while the server process is alive"; return self.proc is not None and self.proc.poll() is None
+def running(self: LocalServer) -> bool:
+    "True while the server process is alive"
+    return self.proc is not None and self.proc.poll() is None
+
 
 @patch
-def __repr__(self:LocalServer):
+def __repr__(self: LocalServer):
     state = 'running' if self.running else 'stopped' if self.proc else 'not started'
     return f'LocalServer({self.model!r} at {self.base_url}, pid={self.pid}, {state})'
 
 # %% ../nbs/03_server.ipynb #04e58e86
 @patch
-def start(self:LocalServer):
+def start(self: LocalServer):
     "Launch the server in its own process group, guarded; returns `self` (call `wait_ready` next)"
-    if self.running: return self
-    if port_in_use(self.port, self.host): raise OSError(f"port {self.port} on {self.host} is in use: stop that server or pick another port")
-    if self.log_path != '-': self.log_path.parent.mkdir(parents=True, exist_ok=True)
+    if self.running:
+        return self
+    if port_in_use(self.port, self.host):
+        raise OSError(f"port {self.port} on {self.host} is in use: stop that server or pick another port")
+    if self.log_path != '-':
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
     out = None if self.log_path == '-' else open(self.log_path, 'ab')
-    try: self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                      env=server_env(self.env), start_new_session=True)
+    try:
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=server_env(self.env),
+            start_new_session=True,
+        )
     finally:
-        if out: out.close()  # the child holds its own copy
+        if out:
+            out.close()  # the child holds its own copy
     self.guard = guard_group(self.proc.pid, self.grace)  # the server dies with us, even when we are SIGKILLed
     self._finalizer = weakref.finalize(self, _terminate, self.proc, self.grace, guard=self.guard)
     return self
 
 # %% ../nbs/03_server.ipynb #c4587038
 @patch
-def stop(self:LocalServer)->int:
+def stop(self: LocalServer) -> int:
     "SIGTERM the server's process group, SIGKILL after `grace` s; returns the exit code (None if never started)"
-    if self.proc is None: return None
+    if self.proc is None:
+        return None
     self._finalizer()  # runs `_terminate` once; later calls do nothing
     return self.proc.returncode
 
 # %% ../nbs/03_server.ipynb #c6d70557
 @patch
-def _check_alive(self:LocalServer):
+def _check_alive(self: LocalServer):
     "Raise with the log's tail if the server process has exited"
-    if self.proc.poll() is None: return
-    raise RuntimeError(f"`{' '.join(self.cmd[2:5])} ...` exited with code {self.proc.returncode} before it was ready. "
-                       f"Last lines of {self.log_path}:\n{_tail(self.log_path)}")
+    if self.proc.poll() is None:
+        return
+    raise RuntimeError(
+        f"`{' '.join(self.cmd[2:5])} ...` exited with code {self.proc.returncode} before it was ready. "
+        f"Last lines of {self.log_path}:\n{_tail(self.log_path)}"
+    )
+
 
 @patch
-def wait_ready(self:LocalServer, timeout:float=None)->list:
+def wait_ready(self: LocalServer, timeout: float = None) -> list:
     "Wait until the server lists our model; returns the served ids"
     timeout = self.startup_timeout if timeout is None else timeout
-    try: return wait_for_server(self.base_url, self.model, timeout=timeout, alive=self._check_alive)
+    try:
+        return wait_for_server(self.base_url, self.model, timeout=timeout, alive=self._check_alive)
     except ServerNotReady as e:
-        raise ServerNotReady(f"The server (pid {self.pid}) did not list {self.model!r} at {self.base_url}/models within "
-                             f"{timeout:g} s: still loading, or hung. Its log is {self.log_path}:\n{_tail(self.log_path, 5)}") from e
+        raise ServerNotReady(
+            f"The server (pid {self.pid}) did not list {self.model!r} at {self.base_url}/models within "
+            f"{timeout:g} s: still loading, or hung. Its log is {self.log_path}:\n{_tail(self.log_path, 5)}"
+        ) from e
 
 # %% ../nbs/03_server.ipynb #849c4417
 @patch
-def __enter__(self:LocalServer):
+def __enter__(self: LocalServer):
     self.start()
-    try: self.wait_ready()
-    except BaseException: self.stop(); raise  # no orphan server when startup fails or is interrupted
+    try:
+        self.wait_ready()
+    except BaseException:
+        self.stop()
+        raise  # no orphan server when startup fails or is interrupted
     return self
 
+
 @patch
-def __exit__(self:LocalServer, *exc): self.stop()
+def __exit__(self: LocalServer, *exc):
+    self.stop()
 
 # %% ../nbs/03_server.ipynb #13c7cee5
-def rss_mb(pid:int)->float:
+def rss_mb(pid: int) -> float:
     "Resident memory of process `pid` in MB (Linux `/proc`; None elsewhere)"
-    try: txt = Path(f'/proc/{pid}/status').read_text()
-    except OSError: return None
+    try:
+        txt = Path(f'/proc/{pid}/status').read_text()
+    except OSError:
+        return None
     return next(int(l.split()[1]) for l in txt.splitlines() if l.startswith('VmRSS:')) / 1024
 
 # %% ../nbs/03_server.ipynb #8d1d6d3d
-def serve(model_dir,                       # model directory (HF layout)
-          port:int=8000,                   # TCP port
-          host:str='127.0.0.1',            # interface; loopback unless you mean to expose it
-          continuous_batching:bool=False,  # see `serve_command`; crashes on DeepseekV3 on CPU
-         )->int:                           # the server's exit code
+def serve(
+    model_dir,  # model directory (HF layout)
+    port: int = 8000,  # TCP port
+    host: str = '127.0.0.1',  # interface; loopback unless you mean to expose it
+    continuous_batching: bool = False,  # see `serve_command`; crashes on DeepseekV3 on CPU
+) -> int:  # the server's exit code
     "Serve `model_dir` in the foreground until Ctrl-C"
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started with SIGINT ignored (`cmd &` in a script, nohup)
+    signal.signal(
+        signal.SIGINT, signal.default_int_handler
+    )  # also when started with SIGINT ignored (`cmd &` in a script, nohup)
     srv = LocalServer(model_dir, port, host, log_path='-', continuous_batching=continuous_batching).start()
     try:
         srv.wait_ready()
         print(f'Serving {srv.model}\n  base_url: {srv.base_url}\n  model:    {srv.model}\nCtrl-C to stop.', flush=True)
         return srv.proc.wait()
-    except KeyboardInterrupt: print('Stopping the server...', flush=True)
-    finally: srv.stop()
+    except KeyboardInterrupt:
+        print('Stopping the server...', flush=True)
+    finally:
+        srv.stop()
     return srv.proc.returncode

@@ -17,128 +17,194 @@ from safetensors.torch import save_file
 from .catalog import connect
 
 # %% ../nbs/51_store.ipynb #65e20d08
-FORMAT = 'eagle3nb.hidden/1'   # bump when the shard layout changes
+FORMAT = 'eagle3nb.hidden/1'  # bump when the shard layout changes
 CONVENTION = 'input_of_layer: id k = input of decoder layer k = HF output_hidden_states[k] = vLLM id; SGLang id = k-1'
 MODES = ('bf16', 'compact')
 
-def sglang_layer_ids(layer_ids)->list:
+
+def sglang_layer_ids(layer_ids) -> list:
     "SGLang's `eagle_aux_hidden_state_layer_ids` (output-of-layer) for our input-of-layer `layer_ids`"
     return [k - 1 for k in layer_ids]
 
 # %% ../nbs/51_store.ipynb #ba819365
-def idx_dtype(draft_vocab:int)->torch.dtype:
+def idx_dtype(draft_vocab: int) -> torch.dtype:
     "Smallest signed int that holds every draft-vocab index"
     return torch.int16 if draft_vocab <= 32767 else torch.int32
 
-def bytes_per_token(mode:str,          # 'bf16' or 'compact'
-                    hidden_size:int,   # H
-                    n_aux:int=3,       # aux layers
-                    topk:int=64,       # compact: probabilities kept per token
-                    draft_vocab:int=32000, # compact: decides the index dtype
-                    ids:bool=True,     # count the 5 bytes of token id + loss mask
-                   )->int:
+
+def bytes_per_token(
+    mode: str,  # 'bf16' or 'compact'
+    hidden_size: int,  # H
+    n_aux: int = 3,  # aux layers
+    topk: int = 64,  # compact: probabilities kept per token
+    draft_vocab: int = 32000,  # compact: decides the index dtype
+    ids: bool = True,  # count the 5 bytes of token id + loss mask
+) -> int:
     "Bytes one stored token takes in `mode`"
     extra = 5 if ids else 0
-    if mode == 'bf16': return 2*n_aux*hidden_size + 2*hidden_size + extra
+    if mode == 'bf16':
+        return 2 * n_aux * hidden_size + 2 * hidden_size + extra
     if mode == 'compact':
-        return n_aux*hidden_size + 4*n_aux + topk*(2 + idx_dtype(draft_vocab).itemsize) + extra
+        return n_aux * hidden_size + 4 * n_aux + topk * (2 + idx_dtype(draft_vocab).itemsize) + extra
     raise ValueError(f"mode {mode!r}: use one of {', '.join(MODES)}")
 
 # %% ../nbs/51_store.ipynb #dcedd673
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
-def quantize_fp8(x:torch.Tensor, # (T, n, H) values, any float dtype
-                ):               # q (T, n, H) float8_e4m3fn, scale (T, n) float32
+
+def quantize_fp8(
+    x: torch.Tensor,  # (T, n, H) values, any float dtype
+):  # q (T, n, H) float8_e4m3fn, scale (T, n) float32
     "Per-token, per-layer scaled fp8 e4m3"
     x = x.float()
     scale = (x.abs().amax(-1) / FP8_MAX).clamp(min=1e-30)  # (T, n); min: an all-zero row stays zero
     q = (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
 
-def dequantize_fp8(q:torch.Tensor, scale:torch.Tensor, dtype=torch.bfloat16)->torch.Tensor:
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
     "Inverse of `quantize_fp8`: (T, n, H) in `dtype`"
     return (q.float() * scale[..., None]).to(dtype)
 
-def fp8_bound(x:torch.Tensor, scale:torch.Tensor)->torch.Tensor:
+
+def fp8_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     "The stated error bound of `quantize_fp8`, elementwise: 2^-4 |x| + 2^-10 scale"
     return 2**-4 * x.float().abs() + 2**-10 * scale[..., None]
 
 # %% ../nbs/51_store.ipynb #754a1a47
-META_KEYS = ('format', 'mode', 'layer_ids', 'layer_convention', 'sglang_layer_ids', 'hidden_size', 'dtype',
-             'target', 'template_sha256', 'topk', 'draft_vocab_size', 'sample_ids', 'rank')
+META_KEYS = (
+    'format',
+    'mode',
+    'layer_ids',
+    'layer_convention',
+    'sglang_layer_ids',
+    'hidden_size',
+    'dtype',
+    'target',
+    'template_sha256',
+    'topk',
+    'draft_vocab_size',
+    'sample_ids',
+    'rank',
+)
 TENSORS = dict(bf16=('aux', 'final'), compact=('aux', 'aux_scale', 'topk_p', 'topk_idx'))
 
-def shard_meta(mode:str, layer_ids:list, hidden_size:int, target:str, template_sha256:str='',
-               topk:int=0, draft_vocab_size:int=0, rank:int=0)->dict:
-    "The metadata every shard of one extraction shares (`sample_ids` is added per shard)"
-    if mode not in MODES: raise ValueError(f"mode {mode!r}: use one of {', '.join(MODES)}")
-    return dict(format=FORMAT, mode=mode, layer_ids=list(layer_ids), layer_convention=CONVENTION,
-                sglang_layer_ids=sglang_layer_ids(layer_ids), hidden_size=hidden_size,
-                dtype='bfloat16' if mode == 'bf16' else 'float8_e4m3fn', target=target,
-                template_sha256=template_sha256, topk=topk if mode == 'compact' else 0,
-                draft_vocab_size=draft_vocab_size if mode == 'compact' else 0, rank=rank)  # bf16 keeps no draft-vocab data
 
-def _encode(meta:dict)->dict: return {k: json.dumps(v) for k, v in meta.items()}
-def _decode(meta:dict)->dict: return {k: json.loads(v) for k, v in (meta or {}).items()}
+def shard_meta(
+    mode: str,
+    layer_ids: list,
+    hidden_size: int,
+    target: str,
+    template_sha256: str = '',
+    topk: int = 0,
+    draft_vocab_size: int = 0,
+    rank: int = 0,
+) -> dict:
+    "The metadata every shard of one extraction shares (`sample_ids` is added per shard)"
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: use one of {', '.join(MODES)}")
+    return dict(
+        format=FORMAT,
+        mode=mode,
+        layer_ids=list(layer_ids),
+        layer_convention=CONVENTION,
+        sglang_layer_ids=sglang_layer_ids(layer_ids),
+        hidden_size=hidden_size,
+        dtype='bfloat16' if mode == 'bf16' else 'float8_e4m3fn',
+        target=target,
+        template_sha256=template_sha256,
+        topk=topk if mode == 'compact' else 0,
+        draft_vocab_size=draft_vocab_size if mode == 'compact' else 0,
+        rank=rank,
+    )  # bf16 keeps no draft-vocab data
+
+
+def _encode(meta: dict) -> dict:
+    return {k: json.dumps(v) for k, v in meta.items()}
+
+
+def _decode(meta: dict) -> dict:
+    return {k: json.loads(v) for k, v in (meta or {}).items()}
 
 # %% ../nbs/51_store.ipynb #4bf88c31
 SHARD_RE = re.compile(r'^(?P<prefix>[A-Za-z0-9_]+)-(?P<seq>\d{6})\.safetensors$')
 
-def shard_files(d)->list:
+
+def shard_files(d) -> list:
     "Complete shards in `d`, sorted by name (temp files are not shards)"
     d = Path(d)
     return sorted(p for p in d.iterdir() if SHARD_RE.match(p.name)) if d.is_dir() else []
 
-def _next_seq(d:Path, prefix:str)->int:
+
+def _next_seq(d: Path, prefix: str) -> int:
     seqs = [int(m['seq']) for p in shard_files(d) if (m := SHARD_RE.match(p.name))['prefix'] == prefix]
     return max(seqs, default=-1) + 1
 
 # %% ../nbs/51_store.ipynb #0cb28b20
 from .recipe import output_temp, remove_stale
 
+
 class ShardWriter:
     "Buffer samples and write them as atomic safetensors shards of about `shard_bytes`"
-    def __init__(self, out_dir,               # the store folder (one per split)
-                 meta:dict,                   # `shard_meta(...)`
-                 shard_bytes:int=1<<30,       # flush when the buffer holds this many bytes
-                 prefix:str='r000',           # shard name prefix; one per rank
-                 on_shard=None):              # called with (path, index rows) after each shard lands
-        self.d, self.meta, self.shard_bytes, self.prefix, self.on_shard = Path(out_dir), meta, shard_bytes, prefix, on_shard
+
+    def __init__(
+        self,
+        out_dir,  # the store folder (one per split)
+        meta: dict,  # `shard_meta(...)`
+        shard_bytes: int = 1 << 30,  # flush when the buffer holds this many bytes
+        prefix: str = 'r000',  # shard name prefix; one per rank
+        on_shard=None,
+    ):  # called with (path, index rows) after each shard lands
+        self.d, self.meta, self.shard_bytes, self.prefix, self.on_shard = (
+            Path(out_dir),
+            meta,
+            shard_bytes,
+            prefix,
+            on_shard,
+        )
         self.d.mkdir(parents=True, exist_ok=True)
         remove_stale(self.d, 'extract')  # a killed writer's temp folders: marked as extract's by a process that is gone
         self.buf, self.nbytes, self.written = [], 0, []
         self.want = ('input_ids', 'loss_mask') + TENSORS[meta['mode']]
 
-    def add(self, sample_id:str, tensors:dict):
+    def add(self, sample_id: str, tensors: dict):
         "Queue one sample: `tensors` holds every name of its mode, each (T, ...)"
         missing = [k for k in self.want if k not in tensors]
-        if missing: raise KeyError(f"sample {sample_id}: missing {missing} for mode {self.meta['mode']}")
+        if missing:
+            raise KeyError(f"sample {sample_id}: missing {missing} for mode {self.meta['mode']}")
         T = len(tensors['input_ids'])
         bad = {k: tuple(tensors[k].shape) for k in self.want if len(tensors[k]) != T}
-        if bad: raise ValueError(f"sample {sample_id}: {T} tokens but {bad}")
+        if bad:
+            raise ValueError(f"sample {sample_id}: {T} tokens but {bad}")
         self.buf.append((sample_id, {k: tensors[k] for k in self.want}))
         self.nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
-        if self.nbytes >= self.shard_bytes: self.flush()
+        if self.nbytes >= self.shard_bytes:
+            self.flush()
 
 # %% ../nbs/51_store.ipynb #4817f82d
 @torch.no_grad()
-def _flush(self:ShardWriter):
+def _flush(self: ShardWriter):
     "Write the buffered samples as one shard; return its path (None when empty)"
-    if not self.buf: return None
+    if not self.buf:
+        return None
     ids = [s for s, _ in self.buf]
     lens = torch.tensor([len(t['input_ids']) for _, t in self.buf])
     out = {k: torch.cat([t[k] for _, t in self.buf]).contiguous() for k in self.want}  # (T, ...) over samples
     out['input_ids'], out['loss_mask'] = out['input_ids'].to(torch.int32), out['loss_mask'].to(torch.uint8)
     out['offsets'] = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])  # (n+1,)
-    path = self.d/f'{self.prefix}-{_next_seq(self.d, self.prefix):06d}.safetensors'
+    path = self.d / f'{self.prefix}-{_next_seq(self.d, self.prefix):06d}.safetensors'
     tmp = output_temp(path, 'extract')  # a fresh folder of ours: safetensors writes its `.tmpXXXXXX` beside its target
     try:
-        save_file(out, str(tmp/path.name), metadata=_encode({**self.meta, 'sample_ids': ids}))
-        os.replace(tmp/path.name, path)  # atomic: the shard exists whole or not at all
-    finally: shutil.rmtree(tmp, ignore_errors=True)
-    self.written.append(path); self.buf, self.nbytes = [], 0
-    if self.on_shard: self.on_shard(path, shard_rows(path))
+        save_file(out, str(tmp / path.name), metadata=_encode({**self.meta, 'sample_ids': ids}))
+        os.replace(tmp / path.name, path)  # atomic: the shard exists whole or not at all
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    self.written.append(path)
+    self.buf, self.nbytes = [], 0
+    if self.on_shard:
+        self.on_shard(path, shard_rows(path))
     return path
+
 
 ShardWriter.flush = _flush
 
@@ -147,84 +213,125 @@ def open_shard(path):
     "`safe_open` of one shard; `BadFile` naming it when it is truncated or damaged (a copy cut short)"
     from safetensors import SafetensorError
     from eagle3nb.recipe import bad_file
-    try: return safe_open(str(path), framework='pt')
+
+    try:
+        return safe_open(str(path), framework='pt')
     except SafetensorError as e:
-        hint = ("the shard is truncated or damaged (a copy cut short?): copy it again, "
-                f"or move it out of {Path(path).parent} "
-                "and rerun `eagle3nb extract` to write its samples again")
+        hint = (
+            "the shard is truncated or damaged (a copy cut short?): copy it again, "
+            f"or move it out of {Path(path).parent} "
+            "and rerun `eagle3nb extract` to write its samples again"
+        )
         raise bad_file(path, e, hint, 'safetensors') from None
 
-def read_meta(path)->dict:
-    "A shard's metadata, decoded"
-    with open_shard(path) as f: return _decode(f.metadata())
 
-def shard_rows(path)->list:
+def read_meta(path) -> dict:
+    "A shard's metadata, decoded"
+    with open_shard(path) as f:
+        return _decode(f.metadata())
+
+
+def shard_rows(path) -> list:
     "Index rows of one shard: sample_id, shard, token_offset, length, mode"
     with open_shard(path) as f:
         meta, off = _decode(f.metadata()), f.get_tensor('offsets').tolist()
-    return [dict(sample_id=s, shard=Path(path).name, token_offset=a, length=b - a, mode=meta['mode'])
-            for s, a, b in zip(meta['sample_ids'], off[:-1], off[1:])]
+    return [
+        dict(sample_id=s, shard=Path(path).name, token_offset=a, length=b - a, mode=meta['mode'])
+        for s, a, b in zip(meta['sample_ids'], off[:-1], off[1:])
+    ]
 
-def read_index(d)->list:
+
+def read_index(d) -> list:
     "Index rows of every shard in store `d`, in shard order"
     return [r for p in shard_files(d) for r in shard_rows(p)]
 
-def done_ids(d)->set:
+
+def done_ids(d) -> set:
     "Sample ids some complete shard of `d` holds"
     return {r['sample_id'] for r in read_index(d)}
 
 # %% ../nbs/51_store.ipynb #1a9ad7b2
-INDEX_DDL = ("CREATE TABLE IF NOT EXISTS hidden_index (store VARCHAR, sample_id VARCHAR, shard VARCHAR, "
-             "token_offset BIGINT, length INTEGER, mode VARCHAR, PRIMARY KEY (store, sample_id))")
+INDEX_DDL = (
+    "CREATE TABLE IF NOT EXISTS hidden_index (store VARCHAR, sample_id VARCHAR, shard VARCHAR, "
+    "token_offset BIGINT, length INTEGER, mode VARCHAR, PRIMARY KEY (store, sample_id))"
+)
 
-def record_index(catalog, store, rows:list=None, replace:bool=False):
+
+def record_index(catalog, store, rows: list = None, replace: bool = False):
     "Upsert index `rows` (None: read from the shard files) of store `store` into `hidden_index` (replace: drop its old rows)"
     import pyarrow as pa
+
     store = str(Path(store).resolve())
-    with connect(catalog) as con:  # rows read from files while we hold the catalog: a concurrent rank's rows are never dropped
-        if rows is None: rows = read_index(store)
-        t = pa.Table.from_pylist([{**r, 'store': store} for r in rows], schema=pa.schema([
-            ('store', pa.string()), ('sample_id', pa.string()), ('shard', pa.string()), ('token_offset', pa.int64()),
-            ('length', pa.int32()), ('mode', pa.string())]))
+    with connect(
+        catalog
+    ) as con:  # rows read from files while we hold the catalog: a concurrent rank's rows are never dropped
+        if rows is None:
+            rows = read_index(store)
+        t = pa.Table.from_pylist(
+            [{**r, 'store': store} for r in rows],
+            schema=pa.schema(
+                [
+                    ('store', pa.string()),
+                    ('sample_id', pa.string()),
+                    ('shard', pa.string()),
+                    ('token_offset', pa.int64()),
+                    ('length', pa.int32()),
+                    ('mode', pa.string()),
+                ]
+            ),
+        )
         con.execute(INDEX_DDL)
-        if replace: con.execute('DELETE FROM hidden_index WHERE store = ?', [store])
+        if replace:
+            con.execute('DELETE FROM hidden_index WHERE store = ?', [store])
         con.register('_rows', t)
-        con.execute('INSERT OR REPLACE INTO hidden_index SELECT store, sample_id, shard, token_offset, length, mode FROM _rows')
+        con.execute(
+            'INSERT OR REPLACE INTO hidden_index SELECT store, sample_id, shard, token_offset, length, mode FROM _rows'
+        )
     return len(rows)
 
-def sync_index(catalog, store)->int:
+
+def sync_index(catalog, store) -> int:
     "Rebuild the catalog's index of `store` from its shard files"
     return record_index(catalog, store, None, replace=True)
 
 # %% ../nbs/51_store.ipynb #cff395f3
 class HiddenStates(torch.utils.data.Dataset):
     "Random access to the samples of a hidden-state store; compact aux comes back dequantized unless `raw`"
-    def __init__(self, d,                    # store folder
-                 sample_ids=None,            # serve only these (in this order); default all, in shard order
-                 raw:bool=False,             # compact: return fp8 aux + scales as stored
-                ):
+
+    def __init__(
+        self,
+        d,  # store folder
+        sample_ids=None,  # serve only these (in this order); default all, in shard order
+        raw: bool = False,  # compact: return fp8 aux + scales as stored
+    ):
         self.d, self.raw, self._files = Path(d), raw, {}
         rows = read_index(self.d)
-        if not rows: raise FileNotFoundError(f"no shards in {self.d}; run extract first")
+        if not rows:
+            raise FileNotFoundError(f"no shards in {self.d}; run extract first")
         if sample_ids is not None:
             by = {r['sample_id']: r for r in rows}
             missing = [s for s in sample_ids if s not in by]
-            if missing: raise KeyError(f"{len(missing)} sample ids are not in {self.d}, e.g. {missing[0]!r}")
+            if missing:
+                raise KeyError(f"{len(missing)} sample ids are not in {self.d}, e.g. {missing[0]!r}")
             rows = [by[s] for s in sample_ids]
-        self.rows, self.meta = rows, read_meta(self.d/rows[0]['shard'])
+        self.rows, self.meta = rows, read_meta(self.d / rows[0]['shard'])
 
-    def __len__(self): return len(self.rows)
+    def __len__(self):
+        return len(self.rows)
 
     def _f(self, shard):
-        if shard not in self._files: self._files[shard] = open_shard(self.d/shard)
+        if shard not in self._files:
+            self._files[shard] = open_shard(self.d / shard)
         return self._files[shard]
 
-    def __getstate__(self): return {**self.__dict__, '_files': {}}  # handles stay in their process
+    def __getstate__(self):
+        return {**self.__dict__, '_files': {}}  # handles stay in their process
 
 # %% ../nbs/51_store.ipynb #77a17313
-def _getitem(self:HiddenStates, i:int)->dict:
+def _getitem(self: HiddenStates, i: int) -> dict:
     "Sample `i`: sample_id, input_ids (T,), loss_mask (T,), aux (T, n_aux*H), and final (T, H) or topk_p/topk_idx (T, k)"
-    r = self.rows[i]; f = self._f(r['shard'])
+    r = self.rows[i]
+    f = self._f(r['shard'])
     a, b = r['token_offset'], r['token_offset'] + r['length']
     names = ('input_ids', 'loss_mask') + TENSORS[r['mode']]
     out = {k: f.get_slice(k)[a:b] for k in names}
@@ -235,15 +342,18 @@ def _getitem(self:HiddenStates, i:int)->dict:
         out['aux'] = dequantize_fp8(q, out.pop('aux_scale')).view(r['length'], -1)  # (T, n_aux*H) bf16
     return dict(sample_id=r['sample_id'], **out)
 
+
 HiddenStates.__getitem__ = _getitem
 
 # %% ../nbs/51_store.ipynb #46645408
 class StoreInvalid(ValueError):
     "A hidden-state store that training must not use; the message lists every problem"
 
+
 def _check_meta(name, meta, expect):
     p = [f"{name}: metadata lacks {k}" for k in META_KEYS if k not in meta]
-    if meta.get('format') != FORMAT: p.append(f"{name}: format {meta.get('format')!r}, this code reads {FORMAT!r}")
+    if meta.get('format') != FORMAT:
+        p.append(f"{name}: format {meta.get('format')!r}, this code reads {FORMAT!r}")
     p += [f"{name}: {k} is {meta.get(k)!r}, expected {v!r}" for k, v in (expect or {}).items() if meta.get(k) != v]
     return p
 
@@ -254,25 +364,40 @@ def _check_tensors(name, f, meta):
     p, H, n_aux, mode = [], meta['hidden_size'], len(meta['layer_ids']), meta['mode']
     g = {k: f.get_tensor(k) for k in f.keys()}
     missing = [k for k in ('input_ids', 'loss_mask', 'offsets') + TENSORS[mode] if k not in g]
-    if missing: return [f"{name}: missing tensors {missing}"]
+    if missing:
+        return [f"{name}: missing tensors {missing}"]
     T, off = len(g['input_ids']), g['offsets']
     if len(off) != len(meta['sample_ids']) + 1 or off[0] != 0 or off[-1] != T or (off.diff() <= 0).any():
         p.append(f"{name}: offsets do not cut {T} tokens into {len(meta['sample_ids'])} non-empty samples")
-    want = dict(aux=(T, n_aux*H), final=(T, H), aux_scale=(T, n_aux), topk_p=(T, meta['topk']), topk_idx=(T, meta['topk']))
-    p += [f"{name}: {k} has shape {tuple(g[k].shape)}, expected {want[k]}" for k in TENSORS[mode] if tuple(g[k].shape) != want[k]]
-    if p: return p
+    want = dict(
+        aux=(T, n_aux * H), final=(T, H), aux_scale=(T, n_aux), topk_p=(T, meta['topk']), topk_idx=(T, meta['topk'])
+    )
+    p += [
+        f"{name}: {k} has shape {tuple(g[k].shape)}, expected {want[k]}"
+        for k in TENSORS[mode]
+        if tuple(g[k].shape) != want[k]
+    ]
+    if p:
+        return p
     vals = dict(aux=g['aux'].float() * (g['aux_scale'].repeat_interleave(H, -1) if mode == 'compact' else 1))
-    if mode == 'bf16': vals['final'] = g['final'].float()
-    else: vals.update(aux_scale=g['aux_scale'], topk_p=g['topk_p'].float())
+    if mode == 'bf16':
+        vals['final'] = g['final'].float()
+    else:
+        vals.update(aux_scale=g['aux_scale'], topk_p=g['topk_p'].float())
     for k, v in vals.items():
         bad = ~torch.isfinite(v)
         if bad.any():
             cols = bad.view(T, -1, H).any(0).any(-1).nonzero().flatten().tolist() if k == 'aux' else []
-            p.append(f"{name}: {k} has {int(bad.sum())} non-finite values" + (f" (aux layers {[meta['layer_ids'][c] for c in cols]})" if cols else ''))
+            p.append(
+                f"{name}: {k} has {int(bad.sum())} non-finite values"
+                + (f" (aux layers {[meta['layer_ids'][c] for c in cols]})" if cols else '')
+            )
     if mode == 'compact':
         tp, ti = vals['topk_p'], g['topk_idx']
-        if (tp < 0).any() or (tp.sum(-1) > 1.01).any(): p.append(f"{name}: topk_p is not a (partial) probability distribution")
-        if (ti < 0).any() or (ti >= meta['draft_vocab_size']).any(): p.append(f"{name}: topk_idx outside the draft vocab [0, {meta['draft_vocab_size']})")
+        if (tp < 0).any() or (tp.sum(-1) > 1.01).any():
+            p.append(f"{name}: topk_p is not a (partial) probability distribution")
+        if (ti < 0).any() or (ti >= meta['draft_vocab_size']).any():
+            p.append(f"{name}: topk_idx outside the draft vocab [0, {meta['draft_vocab_size']})")
     return p
 
 # %% ../nbs/51_store.ipynb #c864f418
@@ -282,42 +407,58 @@ def _check_corpus(name, f, meta, corpus):
     ids, mask = f.get_tensor('input_ids'), f.get_tensor('loss_mask')
     for s, a, b in zip(meta['sample_ids'], off[:-1], off[1:]):
         row = corpus.get(s)
-        if row is None: p.append(f"{name}: sample {s} is not in the corpus"); continue
-        if ids[a:b].tolist() != list(row['input_ids']): p.append(f"{name}: sample {s}: token ids differ from the corpus")
+        if row is None:
+            p.append(f"{name}: sample {s} is not in the corpus")
+            continue
+        if ids[a:b].tolist() != list(row['input_ids']):
+            p.append(f"{name}: sample {s}: token ids differ from the corpus")
         elif 'loss_mask' in row and mask[a:b].tolist() != [int(x) for x in row['loss_mask']]:
             p.append(f"{name}: sample {s}: loss mask differs from the corpus")
     return p
 
-def corpus_map(rows)->dict:
+
+def corpus_map(rows) -> dict:
     "sample_id -> row, from a datasets.Dataset or any iterable of dicts"
     return {r['sample_id']: r for r in rows}
 
 # %% ../nbs/51_store.ipynb #ca258523
-def validate(d,                  # store folder
-             corpus=None,        # `corpus_map(...)` or rows; check token ids against it
-             expect:dict=None,   # metadata values the recipe implies, e.g. dict(layer_ids=[2, 30, 58], hidden_size=7168)
-             values:bool=True,   # read every tensor (shapes only when False)
-             strict:bool=True,   # raise `StoreInvalid` on any problem
-            )->dict:             # shards, samples, tokens, bytes, problems
+def validate(
+    d,  # store folder
+    corpus=None,  # `corpus_map(...)` or rows; check token ids against it
+    expect: dict = None,  # metadata values the recipe implies, e.g. dict(layer_ids=[2, 30, 58], hidden_size=7168)
+    values: bool = True,  # read every tensor (shapes only when False)
+    strict: bool = True,  # raise `StoreInvalid` on any problem
+) -> dict:  # shards, samples, tokens, bytes, problems
     "Check every shard of store `d`"
-    if corpus is not None and not isinstance(corpus, dict): corpus = corpus_map(corpus)
+    if corpus is not None and not isinstance(corpus, dict):
+        corpus = corpus_map(corpus)
     files, p, seen, tokens = shard_files(d), [], {}, 0
-    if not files: p.append(f"{d}: no shards")
+    if not files:
+        p.append(f"{d}: no shards")
     for path in files:
-        try: sf = open_shard(path)
+        try:
+            sf = open_shard(path)
         except ValueError as e:
             p.append(str(e))
             continue
         with sf as f:
             meta = _decode(f.metadata())
-            mp = _check_meta(path.name, meta, expect); p += mp
-            if mp: continue
+            mp = _check_meta(path.name, meta, expect)
+            p += mp
+            if mp:
+                continue
             for s in meta['sample_ids']:
-                if s in seen: p.append(f"sample {s} is in both {seen[s]} and {path.name}")
+                if s in seen:
+                    p.append(f"sample {s} is in both {seen[s]} and {path.name}")
                 seen[s] = path.name
-            if values: p += _check_tensors(path.name, f, meta)
-            if corpus is not None: p += _check_corpus(path.name, f, meta, corpus)
+            if values:
+                p += _check_tensors(path.name, f, meta)
+            if corpus is not None:
+                p += _check_corpus(path.name, f, meta, corpus)
             tokens += f.get_slice('input_ids').get_shape()[0]
-    rep = dict(shards=len(files), samples=len(seen), tokens=tokens, bytes=sum(f.stat().st_size for f in files), problems=p)
-    if p and strict: raise StoreInvalid(f"{d}: {len(p)} problem(s): " + '; '.join(p[:20]))
+    rep = dict(
+        shards=len(files), samples=len(seen), tokens=tokens, bytes=sum(f.stat().st_size for f in files), problems=p
+    )
+    if p and strict:
+        raise StoreInvalid(f"{d}: {len(p)} problem(s): " + '; '.join(p[:20]))
     return rep

@@ -12,40 +12,89 @@ from pathlib import Path
 from .recipe import Recipe, RecipeError, default_aux_layers, check_aux_layers
 
 # %% ../nbs/04_target.ipynb #664cc870
-def target_summary(model_dir, # model directory (HF layout)
-                   aux_layers=None, # input-of-layer ids; default [2, N//2, N-3]
-                  )->dict:
+def target_summary(
+    model_dir,  # model directory (HF layout)
+    aux_layers=None,  # input-of-layer ids; default [2, N//2, N-3]
+) -> dict:
     "Architecture, depth, width, vocab and the aux layers the draft will read"
     from transformers import AutoConfig
-    cfg = AutoConfig.from_pretrained(model_dir); t = cfg.get_text_config()
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    t = cfg.get_text_config()
     n, h = t.num_hidden_layers, t.hidden_size
     aux = check_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(n), n, 'target.aux_layers')
-    return dict(architecture=(cfg.architectures or ['?'])[0], model_type=t.model_type, num_hidden_layers=n,
-                hidden_size=h, vocab_size=t.vocab_size, aux_layers=aux, draft_input_dim=len(aux)*h)
+    return dict(
+        architecture=(cfg.architectures or ['?'])[0],
+        model_type=t.model_type,
+        num_hidden_layers=n,
+        hidden_size=h,
+        vocab_size=t.vocab_size,
+        aux_layers=aux,
+        draft_input_dim=len(aux) * h,
+    )
 
 # %% ../nbs/04_target.ipynb #da4444e7
 FAMILY_TOKENS = {
-    'kimi': ['<|im_system|>', '<|im_user|>', '<|im_assistant|>', '<|im_middle|>', '<|im_end|>', '<think>', '</think>',
-             '<|tool_calls_section_begin|>', '<|tool_calls_section_end|>', '<|tool_call_begin|>',
-             '<|tool_call_argument_begin|>', '<|tool_call_end|>'],
-    'deepseek': ['<｜begin▁of▁sentence｜>', '<｜end▁of▁sentence｜>', '<｜User｜>', '<｜Assistant｜>', '<think>', '</think>',
-                 '<｜tool▁calls▁begin｜>', '<｜tool▁call▁begin｜>', '<｜tool▁sep｜>', '<｜tool▁call▁end｜>', '<｜tool▁calls▁end｜>'],
+    'kimi': [
+        '<|im_system|>',
+        '<|im_user|>',
+        '<|im_assistant|>',
+        '<|im_middle|>',
+        '<|im_end|>',
+        '<think>',
+        '</think>',
+        '<|tool_calls_section_begin|>',
+        '<|tool_calls_section_end|>',
+        '<|tool_call_begin|>',
+        '<|tool_call_argument_begin|>',
+        '<|tool_call_end|>',
+    ],
+    'deepseek': [
+        '<｜begin▁of▁sentence｜>',
+        '<｜end▁of▁sentence｜>',
+        '<｜User｜>',
+        '<｜Assistant｜>',
+        '<think>',
+        '</think>',
+        '<｜tool▁calls▁begin｜>',
+        '<｜tool▁call▁begin｜>',
+        '<｜tool▁sep｜>',
+        '<｜tool▁call▁end｜>',
+        '<｜tool▁calls▁end｜>',
+    ],
     'llama3': ['<|begin_of_text|>', '<|start_header_id|>', '<|end_header_id|>', '<|eot_id|>', '<|python_tag|>'],
-    'glm': ['[gMASK]', '<sop>', '<|system|>', '<|user|>', '<|assistant|>', '<|observation|>', '<think>', '</think>',
-            '<tool_call>', '</tool_call>'],
+    'glm': [
+        '[gMASK]',
+        '<sop>',
+        '<|system|>',
+        '<|user|>',
+        '<|assistant|>',
+        '<|observation|>',
+        '<think>',
+        '</think>',
+        '<tool_call>',
+        '</tool_call>',
+    ],
     'qwen3': ['<|im_start|>', '<|im_end|>', '<think>', '</think>', '<tool_call>', '</tool_call>'],
 }
-_MARKERS = [('kimi', '<|im_assistant|>'), ('deepseek', '<｜Assistant｜>'), ('glm', '[gMASK]'),
-            ('llama3', '<|start_header_id|>'), ('qwen3', '<|im_start|>')]
+_MARKERS = [
+    ('kimi', '<|im_assistant|>'),
+    ('deepseek', '<｜Assistant｜>'),
+    ('glm', '[gMASK]'),
+    ('llama3', '<|start_header_id|>'),
+    ('qwen3', '<|im_start|>'),
+]
 
-def template_family(chat_template:str)->str|None:
+
+def template_family(chat_template: str) -> str | None:
     "The template family of `chat_template` (kimi, deepseek, glm, llama3, qwen3), None if unknown"
     return next((f for f, m in _MARKERS if m in (chat_template or '')), None)
 
 # %% ../nbs/04_target.ipynb #678d5567
-def token_report(tok, # the target's tokenizer
-                 tokens:list, # token strings that must each be one id
-                )->list:      # one dict per token
+def token_report(
+    tok,  # the target's tokenizer
+    tokens: list,  # token strings that must each be one id
+) -> list:  # one dict per token
     "How `tok` encodes each of `tokens`"
     rows, special = [], {a.content for a in tok.added_tokens_decoder.values() if a.special}
     for t in tokens:
@@ -55,72 +104,106 @@ def token_report(tok, # the target's tokenizer
     return rows
 
 # %% ../nbs/04_target.ipynb #1e32856b
-def special_texts(tok=None, # the target's tokenizer; None: the control strings of every family in `FAMILY_TOKENS`
-                 )->tuple:  # the strings, longest first
+def special_texts(
+    tok=None,  # the target's tokenizer; None: the control strings of every family in `FAMILY_TOKENS`
+) -> tuple:  # the strings, longest first
     "The strings that `tok` encodes as one added token wherever they stand in a text"
-    if tok is None: ts = {t for f in FAMILY_TOKENS.values() for t in f}
+    if tok is None:
+        ts = {t for f in FAMILY_TOKENS.values() for t in f}
     else:
         added = tok.added_tokens_decoder.values()
         ts = {a.content for a in added if a.content.strip() and (a.special or not a.normalized)}
     return tuple(sorted(ts, key=lambda t: (-len(t), t)))
 
 # %% ../nbs/04_target.ipynb #f6613927
-def render_prompt(tok, messages:list, # OpenAI-style messages
-                  thinking:bool=True, tools:list=None)->str:
+def render_prompt(
+    tok,
+    messages: list,  # OpenAI-style messages
+    thinking: bool = True,
+    tools: list = None,
+) -> str:
     "The target's chat template over `messages`, with the generation prompt"
-    return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
-                                   thinking=thinking, enable_thinking=thinking)
+    return tok.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=True, thinking=thinking, enable_thinking=thinking
+    )
 
-def probe_messages()->list:
+
+def probe_messages() -> list:
     "The short conversation the target check asks the server to continue"
-    return [dict(role='system', content='You are a helpful assistant.'),
-            dict(role='user', content='Write one sentence about the sea.')]
+    return [
+        dict(role='system', content='You are a helpful assistant.'),
+        dict(role='user', content='Write one sentence about the sea.'),
+    ]
 
 # %% ../nbs/04_target.ipynb #0b7518c7
-def probe_completion(base_url:str, # OpenAI-compatible base URL (.../v1)
-                     model:str,    # model id the server serves
-                     prompt:str,   # rendered prompt text
-                     max_tokens:int=16,
-                     api_key:str='EMPTY',
-                     timeout:float=120, # seconds for the request
-                    )->dict:
+def probe_completion(
+    base_url: str,  # OpenAI-compatible base URL (.../v1)
+    model: str,  # model id the server serves
+    prompt: str,  # rendered prompt text
+    max_tokens: int = 16,
+    api_key: str = 'EMPTY',
+    timeout: float = 120,  # seconds for the request
+) -> dict:
     "One greedy raw completion of `prompt`: text, finish reason, usage, and whether special tokens were kept"
     from openai import OpenAI, UnprocessableEntityError
+
     c = OpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=1)
     ask = lambda **kw: c.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, **kw)
-    try: r, kept = ask(extra_body=dict(skip_special_tokens=False)), True
-    except UnprocessableEntityError: r, kept = ask(), False  # transformers serve: no such field
+    try:
+        r, kept = ask(extra_body=dict(skip_special_tokens=False)), True
+    except UnprocessableEntityError:
+        r, kept = ask(), False  # transformers serve: no such field
     ch = r.choices[0]
-    return dict(text=ch.text, finish_reason=ch.finish_reason, prompt_tokens=r.usage.prompt_tokens,
-                completion_tokens=r.usage.completion_tokens, special_tokens_kept=kept)
+    return dict(
+        text=ch.text,
+        finish_reason=ch.finish_reason,
+        prompt_tokens=r.usage.prompt_tokens,
+        completion_tokens=r.usage.completion_tokens,
+        special_tokens_kept=kept,
+    )
 
 # %% ../nbs/04_target.ipynb #4eb27170
 class TargetCheckFailed(AssertionError):
     "The target or its server disagrees with what training assumes"
 
-def check_row(check:str, expected, observed, ok:bool)->dict:
+
+def check_row(check: str, expected, observed, ok: bool) -> dict:
     "One row of the target check table"
     return dict(check=check, expected=str(expected), observed=str(observed), ok=bool(ok))
 
-def verdict(rows:list):
+
+def verdict(rows: list):
     "Raise `TargetCheckFailed` listing every failed row"
     bad = [r for r in rows if not r['ok']]
-    if bad: raise TargetCheckFailed('target check failed: ' + '; '.join(f"{r['check']}: expected {r['expected']}, saw {r['observed']}" for r in bad))
+    if bad:
+        raise TargetCheckFailed(
+            'target check failed: '
+            + '; '.join(f"{r['check']}: expected {r['expected']}, saw {r['observed']}" for r in bad)
+        )
 
 # %% ../nbs/04_target.ipynb #7e55392b
 @contextmanager
-def target_session(r:Recipe,     # resolved recipe
-                   log_dir=None, # the server log goes here (default: a temp dir)
-                   serve=True,   # launch a local server when the recipe lists no endpoints
-                   server=None,  # the local server's class, called (model_dir, log_path=...); default `LocalServer`
-                  ):
+def target_session(
+    r: Recipe,  # resolved recipe
+    log_dir=None,  # the server log goes here (default: a temp dir)
+    serve=True,  # launch a local server when the recipe lists no endpoints
+    server=None,  # the local server's class, called (model_dir, log_path=...); default `LocalServer`
+):
     "Yield `r` completed with a built toy target and a live local endpoint where needed"
     r = r.model_copy(deep=True)
     if r.target.toy:
         from eagle3nb.toy import ensure_toy
+
         r.target.model = str(ensure_toy(r.target.toy, r.target.model))
-    if r.target.endpoints or not serve: yield r; return
+    if r.target.endpoints or not serve:
+        yield r
+        return
     from eagle3nb.server import LocalServer
-    with (server or LocalServer)(r.target.model, log_path=Path(log_dir)/'server.log' if log_dir else None) as srv:
-        r.target.endpoints, r.target.served_name, r.target.served_here = [srv.base_url], r.target.served_name or srv.model, True
+
+    with (server or LocalServer)(r.target.model, log_path=Path(log_dir) / 'server.log' if log_dir else None) as srv:
+        r.target.endpoints, r.target.served_name, r.target.served_here = (
+            [srv.base_url],
+            r.target.served_name or srv.model,
+            True,
+        )
         yield r

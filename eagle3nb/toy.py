@@ -18,45 +18,57 @@ from pathlib import Path
 
 # %% ../nbs/02_toy.ipynb #2bd28c3f
 PKG = Path(files('eagle3nb'))  # the installed package folder
-TEMPLATES = PKG/'templates'    # verbatim chat templates (+ .SOURCE.txt), and kimi_k2_special_tokens.json
+TEMPLATES = PKG / 'templates'  # verbatim chat templates (+ .SOURCE.txt), and kimi_k2_special_tokens.json
 
-def template(fname:str, # file in `eagle3nb/templates/`, e.g. 'qwen3-0.6b.jinja'
-            )->str:
+
+def template(
+    fname: str,  # file in `eagle3nb/templates/`, e.g. 'qwen3-0.6b.jinja'
+) -> str:
     "Verbatim text of a shipped chat template"
-    p = TEMPLATES/fname
-    if not p.is_file(): raise FileNotFoundError(f"no template {fname!r} in {TEMPLATES}")
+    p = TEMPLATES / fname
+    if not p.is_file():
+        raise FileNotFoundError(f"no template {fname!r} in {TEMPLATES}")
     return p.read_bytes().decode('utf-8')
 
 # %% ../nbs/02_toy.ipynb #9695650d
-CORPUS = PKG/'data'/'toy_corpus.txt'
+CORPUS = PKG / 'data' / 'toy_corpus.txt'
 CORPUS_SHA256 = '428fbf7644c16415c181809265ae9ee5470451548f1a80e1b11c313efbb4abba'
 
-def toy_corpus()->str:
+
+def toy_corpus() -> str:
     "The shipped tokenizer-training text, checked against its pinned hash"
     b = CORPUS.read_bytes()
     got = hashlib.sha256(b).hexdigest()
-    if got != CORPUS_SHA256: raise ValueError(f"{CORPUS} has sha256 {got[:12]}..., expected {CORPUS_SHA256[:12]}...; "
-                                              "a new corpus needs a new CORPUS_SHA256 and new toy versions")
+    if got != CORPUS_SHA256:
+        raise ValueError(
+            f"{CORPUS} has sha256 {got[:12]}..., expected {CORPUS_SHA256[:12]}...; "
+            "a new corpus needs a new CORPUS_SHA256 and new toy versions"
+        )
     return b.decode('utf-8')
 
 # %% ../nbs/02_toy.ipynb #fecc50bd
 KIMI_BASE = 163584  # first special id of the real Kimi-K2 tokenizer (vocab 163840 = 163584 + 256)
 
-def kimi_slots(n_bpe:int, # BPE tokens in front of the slots
-              )->tuple:   # 256 (content, special) pairs, in id order
+
+def kimi_slots(
+    n_bpe: int,  # BPE tokens in front of the slots
+) -> tuple:  # 256 (content, special) pairs, in id order
     "Kimi-K2's 256 special-token slots: the named tokens at their real offsets, reserved names elsewhere"
-    table = json.loads((TEMPLATES/'kimi_k2_special_tokens.json').read_text(encoding='utf-8'))['tokens']
+    table = json.loads((TEMPLATES / 'kimi_k2_special_tokens.json').read_text(encoding='utf-8'))['tokens']
     by_off = {i - KIMI_BASE: t for t, i in table.items()}
     plain = lambda t: t.startswith('<|tool_call') or t in ('<think>', '</think>')  # model output, kept on decode
     return tuple((t, not plain(t)) for t in (by_off.get(k, f'<|reserved_token_{n_bpe + k}|>') for k in range(256)))
 
 # %% ../nbs/02_toy.ipynb #bc2cbff1
-QWEN3_ADDED = ('<|endoftext|> <|im_start|> <|im_end|> <|object_ref_start|> <|object_ref_end|> <|box_start|> '
+QWEN3_ADDED = (
+    '<|endoftext|> <|im_start|> <|im_end|> <|object_ref_start|> <|object_ref_end|> <|box_start|> '
     '<|box_end|> <|quad_start|> <|quad_end|> <|vision_start|> <|vision_end|> <|vision_pad|> <|image_pad|> '
     '<|video_pad|> <tool_call> </tool_call> <|fim_prefix|> <|fim_middle|> <|fim_suffix|> <|fim_pad|> '
-    '<|repo_name|> <|file_sep|> <tool_response> </tool_response> <think> </think>').split()  # ids 151643..151668
+    '<|repo_name|> <|file_sep|> <tool_response> </tool_response> <think> </think>'
+).split()  # ids 151643..151668
 
-def qwen3_slots()->tuple: # 26 (content, special) pairs, in id order
+
+def qwen3_slots() -> tuple:  # 26 (content, special) pairs, in id order
     "Qwen3's added tokens after the BPE vocabulary; the first 14 are special"
     return tuple((t, i < 14) for i, t in enumerate(QWEN3_ADDED))
 
@@ -64,65 +76,138 @@ def qwen3_slots()->tuple: # 26 (content, special) pairs, in id order
 @dataclass(frozen=True)
 class ToySpec:
     "Everything that determines a toy build"
-    name:str; version:int       # bump `version` whenever any other field or the corpus changes
-    config_cls:str              # transformers config class, e.g. 'DeepseekV3Config'
-    model:dict                  # config kwargs, except vocab size and token ids
-    template:str                # chat template file in `eagle3nb/templates/`
-    n_bpe:int                   # BPE tokens, ids 0..n_bpe-1; added tokens follow
-    slots:tuple                 # (content, special) added after the BPE vocabulary, in id order
-    tok_roles:dict              # tokenizer bos/eos/pad/unk token strings
-    cfg_ids:dict                # model config bos/eos/pad token ids, given as token strings
-    gen_eos:tuple               # generation_config eos tokens: generation stops at any of them
-    thinking_kwarg:str          # chat-template kwarg that switches thinking on
-    vocab_multiple:int = 1      # pad the model's vocab_size up to a multiple of this
-    seed:int = 0                # torch seed for the random weights
-    drop_keys:tuple = ()        # config.json keys transformers adds that the real model's config.json lacks
-    pretrain:dict = None        # a `-trained` toy's training settings (see 'Trained toys'); None: random weights
+
+    name: str
+    version: int  # bump `version` whenever any other field or the corpus changes
+    config_cls: str  # transformers config class, e.g. 'DeepseekV3Config'
+    model: dict  # config kwargs, except vocab size and token ids
+    template: str  # chat template file in `eagle3nb/templates/`
+    n_bpe: int  # BPE tokens, ids 0..n_bpe-1; added tokens follow
+    slots: tuple  # (content, special) added after the BPE vocabulary, in id order
+    tok_roles: dict  # tokenizer bos/eos/pad/unk token strings
+    cfg_ids: dict  # model config bos/eos/pad token ids, given as token strings
+    gen_eos: tuple  # generation_config eos tokens: generation stops at any of them
+    thinking_kwarg: str  # chat-template kwarg that switches thinking on
+    vocab_multiple: int = 1  # pad the model's vocab_size up to a multiple of this
+    seed: int = 0  # torch seed for the random weights
+    drop_keys: tuple = ()  # config.json keys transformers adds that the real model's config.json lacks
+    pretrain: dict = None  # a `-trained` toy's training settings (see 'Trained toys'); None: random weights
 
 # %% ../nbs/02_toy.ipynb #834e3c65
-_KIMI_MODEL = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=8,
-    num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=512, qk_nope_head_dim=16,
-    qk_rope_head_dim=64, v_head_dim=80, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
-    topk_group=1, topk_method='noaux_tc', scoring_func='sigmoid', moe_layer_freq=1, first_k_dense_replace=1,
-    routed_scaling_factor=2.827, norm_topk_prob=True, num_nextn_predict_layers=0, max_position_embeddings=131072,
-    tie_word_embeddings=False, initializer_range=0.5,
-    rope_parameters=dict(rope_type='yarn', rope_theta=50000.0, factor=32.0, original_max_position_embeddings=4096,
-                         beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))
-_QWEN3_MODEL = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=8, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=32, max_position_embeddings=40960, tie_word_embeddings=True,
-    initializer_range=0.5, rope_parameters=dict(rope_type='default', rope_theta=1000000.0))
+_KIMI_MODEL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=8,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    q_lora_rank=32,
+    kv_lora_rank=512,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=64,
+    v_head_dim=80,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    topk_method='noaux_tc',
+    scoring_func='sigmoid',
+    moe_layer_freq=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.827,
+    norm_topk_prob=True,
+    num_nextn_predict_layers=0,
+    max_position_embeddings=131072,
+    tie_word_embeddings=False,
+    initializer_range=0.5,
+    rope_parameters=dict(
+        rope_type='yarn',
+        rope_theta=50000.0,
+        factor=32.0,
+        original_max_position_embeddings=4096,
+        beta_fast=1.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
+)
+_QWEN3_MODEL = dict(
+    hidden_size=64,
+    intermediate_size=192,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=40960,
+    tie_word_embeddings=True,
+    initializer_range=0.5,
+    rope_parameters=dict(rope_type='default', rope_theta=1000000.0),
+)
 
 # %% ../nbs/02_toy.ipynb #622f74c9
-TOYS = {s.name: s for s in [
-    ToySpec('kimi-tiny', 2, 'DeepseekV3Config', _KIMI_MODEL, 'kimi-k2-thinking.jinja', 3840, kimi_slots(3840),
+TOYS = {
+    s.name: s
+    for s in [
+        ToySpec(
+            'kimi-tiny',
+            2,
+            'DeepseekV3Config',
+            _KIMI_MODEL,
+            'kimi-k2-thinking.jinja',
+            3840,
+            kimi_slots(3840),
             dict(bos_token='[BOS]', eos_token='<|im_end|>', pad_token='[PAD]', unk_token='[UNK]'),
-            dict(bos_token_id='[BOS]', eos_token_id='<|im_end|>', pad_token_id='[PAD]'), ('<|im_end|>',), 'thinking',
-            drop_keys=('head_dim', 'qk_head_dim')),
-    ToySpec('qwen3-tiny', 2, 'Qwen3Config', _QWEN3_MODEL, 'qwen3-0.6b.jinja', 3900, qwen3_slots(),
+            dict(bos_token_id='[BOS]', eos_token_id='<|im_end|>', pad_token_id='[PAD]'),
+            ('<|im_end|>',),
+            'thinking',
+            drop_keys=('head_dim', 'qk_head_dim'),
+        ),
+        ToySpec(
+            'qwen3-tiny',
+            2,
+            'Qwen3Config',
+            _QWEN3_MODEL,
+            'qwen3-0.6b.jinja',
+            3900,
+            qwen3_slots(),
             dict(eos_token='<|im_end|>', pad_token='<|endoftext|>'),
             dict(bos_token_id='<|endoftext|>', eos_token_id='<|im_end|>', pad_token_id='<|endoftext|>'),
-            ('<|im_end|>', '<|endoftext|>'), 'enable_thinking', vocab_multiple=128)]}
+            ('<|im_end|>', '<|endoftext|>'),
+            'enable_thinking',
+            vocab_multiple=128,
+        ),
+    ]
+}
 BASE_TOYS = tuple(TOYS)  # the random-init toys: built in a second
 
 # %% ../nbs/02_toy.ipynb #83e30cbc
-PRETRAIN = dict(steps=900, seq_len=128, batch=4, lr=2e-2, warmup=20, min_lr=0.1, seed=0, eval_share=0.04, chunk_chars=1200)
+PRETRAIN = dict(
+    steps=900, seq_len=128, batch=4, lr=2e-2, warmup=20, min_lr=0.1, seed=0, eval_share=0.04, chunk_chars=1200
+)
 
-def _trained(s:ToySpec)->ToySpec:
+
+def _trained(s: ToySpec) -> ToySpec:
     "The `-trained` variant of random toy `s`"
-    return replace(s, name=f'{s.name}-trained', version=1, model={**s.model, 'initializer_range': 0.02}, pretrain=PRETRAIN)
+    return replace(
+        s, name=f'{s.name}-trained', version=1, model={**s.model, 'initializer_range': 0.02}, pretrain=PRETRAIN
+    )
+
 
 TOYS.update({t.name: t for t in map(_trained, [TOYS[n] for n in BASE_TOYS])})
 
 # %% ../nbs/02_toy.ipynb #16db2bf1
-def toy_spec(name:str)->ToySpec:
+def toy_spec(name: str) -> ToySpec:
     "The spec of toy `name`"
-    if name not in TOYS: raise ValueError(f"unknown toy {name!r}; known toys: {', '.join(TOYS)}")
+    if name not in TOYS:
+        raise ValueError(f"unknown toy {name!r}; known toys: {', '.join(TOYS)}")
     return TOYS[name]
 
 # %% ../nbs/02_toy.ipynb #b8cb3aa9
-def special_tokens(name:str,             # toy name, e.g. 'kimi-tiny'
-                   reserved:bool=False,  # include Kimi's `<|reserved_token_N|>` placeholders
-                  )->dict:               # token -> id
+def special_tokens(
+    name: str,  # toy name, e.g. 'kimi-tiny'
+    reserved: bool = False,  # include Kimi's `<|reserved_token_N|>` placeholders
+) -> dict:  # token -> id
     "The added tokens toy `name` carries, with their ids"
     s = toy_spec(name)
     return {t: s.n_bpe + i for i, (t, _) in enumerate(s.slots) if reserved or not t.startswith('<|reserved_token_')}
@@ -130,157 +215,222 @@ def special_tokens(name:str,             # toy name, e.g. 'kimi-tiny'
 # %% ../nbs/02_toy.ipynb #695c5529
 SPLIT_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
-def train_bpe(n_bpe:int, # vocabulary size to train, base bytes included
-              text:str,  # training text; paragraphs are split on blank lines
-             ):          # tokenizers.Tokenizer with exactly `n_bpe` tokens
+
+def train_bpe(
+    n_bpe: int,  # vocabulary size to train, base bytes included
+    text: str,  # training text; paragraphs are split on blank lines
+):  # tokenizers.Tokenizer with exactly `n_bpe` tokens
     "A byte-level BPE tokenizer trained on `text`"
     from tokenizers import Tokenizer, Regex, models, pre_tokenizers, decoders, processors, trainers
+
     tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior='isolated'),
-                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tk.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior='isolated'),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tk.decoder, tk.post_processor = decoders.ByteLevel(), processors.ByteLevel(trim_offsets=False)
-    tk.train_from_iterator(text.split('\n\n'), trainers.BpeTrainer(vocab_size=n_bpe, show_progress=False,
-                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tk.train_from_iterator(
+        text.split('\n\n'),
+        trainers.BpeTrainer(
+            vocab_size=n_bpe, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     assert tk.get_vocab_size() == n_bpe, f"corpus too small: trained {tk.get_vocab_size()} of {n_bpe} tokens"
     return tk
 
 # %% ../nbs/02_toy.ipynb #a546f8c2
-def make_tokenizer(spec:ToySpec):
+def make_tokenizer(spec: ToySpec):
     "The toy's `PreTrainedTokenizerFast`: trained BPE, added tokens, roles and verbatim chat template"
     from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
+
     tk = train_bpe(spec.n_bpe, toy_corpus())
     tk.add_tokens([AddedToken(t, special=sp, normalized=False) for t, sp in spec.slots])
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, model_max_length=spec.model['max_position_embeddings'],
-                                  **spec.tok_roles)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk, model_max_length=spec.model['max_position_embeddings'], **spec.tok_roles
+    )
     tok.chat_template = template(spec.template)
     return tok
 
 # %% ../nbs/02_toy.ipynb #32c263f1
-SAMPLE_TOOLS = [{'type': 'function', 'function': {'name': 'get_weather',
-    'description': 'Get weather information. Call this tool when the user needs to get weather information',
-    'parameters': {'type': 'object', 'required': ['city'],
-                   'properties': {'city': {'type': 'string', 'description': 'City name'}}}}}]
+SAMPLE_TOOLS = [
+    {
+        'type': 'function',
+        'function': {
+            'name': 'get_weather',
+            'description': 'Get weather information. Call this tool when the user needs to get weather information',
+            'parameters': {
+                'type': 'object',
+                'required': ['city'],
+                'properties': {'city': {'type': 'string', 'description': 'City name'}},
+            },
+        },
+    }
+]
 
-def sample_chat(name:str, # toy name: picks the tool-call id convention
-               )->list:   # OpenAI-style messages; render with `tools=SAMPLE_TOOLS`
+
+def sample_chat(
+    name: str,  # toy name: picks the tool-call id convention
+) -> list:  # OpenAI-style messages; render with `tools=SAMPLE_TOOLS`
     "A system/user/tool-call/tool-result/answer conversation for toy `name`"
     cid = 'functions.get_weather:0' if name.startswith('kimi-tiny') else 'call_0'
     call = dict(id=cid, type='function', function=dict(name='get_weather', arguments={'city': 'Beijing'}))
-    return [dict(role='system', content='You are a helpful assistant.'),
-            dict(role='user', content="What's the weather like in Beijing today?"),
-            dict(role='assistant', content='', reasoning_content='I should call the tool.', tool_calls=[call]),
-            dict(role='tool', tool_call_id=cid, name='get_weather', content='{"weather": "Sunny"}'),
-            dict(role='assistant', content='It is sunny in Beijing.', reasoning_content='The tool said sunny.')]
+    return [
+        dict(role='system', content='You are a helpful assistant.'),
+        dict(role='user', content="What's the weather like in Beijing today?"),
+        dict(role='assistant', content='', reasoning_content='I should call the tool.', tool_calls=[call]),
+        dict(role='tool', tool_call_id=cid, name='get_weather', content='{"weather": "Sunny"}'),
+        dict(role='assistant', content='It is sunny in Beijing.', reasoning_content='The tool said sunny.'),
+    ]
 
 # %% ../nbs/02_toy.ipynb #4d7db1b2
-def make_config(spec:ToySpec, tok):
+def make_config(spec: ToySpec, tok):
     "The toy's model config, with vocab size and special ids from `tok`"
     import transformers
+
     vocab = -(-len(tok) // spec.vocab_multiple) * spec.vocab_multiple  # round up
     ids = {k: tok.convert_tokens_to_ids(t) for k, t in spec.cfg_ids.items()}
     return getattr(transformers, spec.config_cls)(vocab_size=vocab, dtype='float32', **ids, **spec.model)
 
 # %% ../nbs/02_toy.ipynb #ca841a79
-def make_model(spec:ToySpec, tok):
+def make_model(spec: ToySpec, tok):
     "The toy's random-init causal LM in float32, with its generation config"
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
+
     cfg = make_config(spec, tok)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         with torch.no_grad():
             for n, b in m.named_buffers():  # (n_routed_experts,) per MoE layer; std 0.5 = initializer_range
-                if n.endswith('e_score_correction_bias'): b.copy_(torch.randn_like(b) * 0.5)
+                if n.endswith('e_score_correction_bias'):
+                    b.copy_(torch.randn_like(b) * 0.5)
     eos = [tok.convert_tokens_to_ids(t) for t in spec.gen_eos]
-    m.generation_config = GenerationConfig(bos_token_id=cfg.bos_token_id, pad_token_id=cfg.pad_token_id,
-                                           eos_token_id=eos[0] if len(eos) == 1 else eos)
+    m.generation_config = GenerationConfig(
+        bos_token_id=cfg.bos_token_id, pad_token_id=cfg.pad_token_id, eos_token_id=eos[0] if len(eos) == 1 else eos
+    )
     return m.eval()
 
 # %% ../nbs/02_toy.ipynb #7d146e42
 MARKER = 'eagle3nb_toy.json'
-TOY_FILES = ('config.json', 'generation_config.json', 'model.safetensors', 'tokenizer.json',
-             'tokenizer_config.json', 'chat_template.jinja', MARKER)
+TOY_FILES = (
+    'config.json',
+    'generation_config.json',
+    'model.safetensors',
+    'tokenizer.json',
+    'tokenizer_config.json',
+    'chat_template.jinja',
+    MARKER,
+)
 
-def _marker(d:Path)->dict:
+
+def _marker(d: Path) -> dict:
     "The toy marker in `d`, or {} when there is none"
-    try: return json.loads((Path(d)/MARKER).read_text())
-    except (OSError, ValueError): return {}
+    try:
+        return json.loads((Path(d) / MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
 
-def _complete(d:Path, spec:ToySpec)->bool:
+
+def _complete(d: Path, spec: ToySpec) -> bool:
     "Does `d` hold a complete build of `spec`?"
     m = _marker(d)
-    if (m.get('name'), m.get('version')) != (spec.name, spec.version) or not all((d/f).is_file() for f in TOY_FILES): return False
+    if (m.get('name'), m.get('version')) != (spec.name, spec.version) or not all((d / f).is_file() for f in TOY_FILES):
+        return False
     return not spec.pretrain or m.get('key') == toy_key(spec)  # a trained toy: same training text and settings
 
 # %% ../nbs/02_toy.ipynb #42f4b3e8
-def write_toy(spec:ToySpec, d:Path):
+def write_toy(spec: ToySpec, d: Path):
     "Save toy `spec` into the existing, empty folder `d`"
     tok = make_tokenizer(spec)
     tok.save_pretrained(d)
     m = make_model(spec, tok)
-    info = dict(key=toy_key(spec), pretrain=pretrain(spec, tok, m)) if spec.pretrain else {}  # minutes: see 'Trained toys'
+    info = (
+        dict(key=toy_key(spec), pretrain=pretrain(spec, tok, m)) if spec.pretrain else {}
+    )  # minutes: see 'Trained toys'
     m.save_pretrained(d)  # safetensors, float32
     if spec.drop_keys:
-        cfg = json.loads((d/'config.json').read_text())
-        (d/'config.json').write_text(json.dumps({k: v for k, v in cfg.items() if k not in spec.drop_keys}, indent=2, sort_keys=True) + '\n')
-    (d/MARKER).write_text(json.dumps(dict(name=spec.name, version=spec.version, builder='eagle3nb.toy', **info), indent=1))
+        cfg = json.loads((d / 'config.json').read_text())
+        (d / 'config.json').write_text(
+            json.dumps({k: v for k, v in cfg.items() if k not in spec.drop_keys}, indent=2, sort_keys=True) + '\n'
+        )
+    (d / MARKER).write_text(
+        json.dumps(dict(name=spec.name, version=spec.version, builder='eagle3nb.toy', **info), indent=1)
+    )
 
 # %% ../nbs/02_toy.ipynb #5fc05443
 from .recipe import MARKER as OUTPUT_MARKER, mark_output, read_marker, output_temp, publish_output
 
-def _check_replaceable(out:Path, spec:ToySpec, force:bool):
+
+def _check_replaceable(out: Path, spec: ToySpec, force: bool):
     "Raise unless a build of `spec` may be put at `out`"
-    if not out.exists() or (out.is_dir() and not any(out.iterdir())): return
-    if not out.is_dir(): raise FileExistsError(f"{out} is a file, not a toy model directory; remove it or choose another --out")
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    if not out.is_dir():
+        raise FileExistsError(f"{out} is a file, not a toy model directory; remove it or choose another --out")
     m = _marker(out)
     if m.get('builder') == 'eagle3nb.toy' and not read_marker(out):
         mark_output(out, 'toy')  # a toy built before the output marker
     if read_marker(out).get('verb') != 'toy':
-        raise FileExistsError(f"{out} exists and is not an eagle3nb toy build (no {OUTPUT_MARKER} of toy); it is never "
-                              "overwritten: remove it yourself or choose another --out")
-    if not force: raise FileExistsError(f"{out} holds toy {m.get('name')!r} v{m.get('version')}, not a complete "
-                                        f"{spec.name!r} v{spec.version}; rebuild with force=True (--force) or choose another --out")
+        raise FileExistsError(
+            f"{out} exists and is not an eagle3nb toy build (no {OUTPUT_MARKER} of toy); it is never "
+            "overwritten: remove it yourself or choose another --out"
+        )
+    if not force:
+        raise FileExistsError(
+            f"{out} holds toy {m.get('name')!r} v{m.get('version')}, not a complete "
+            f"{spec.name!r} v{spec.version}; rebuild with force=True (--force) or choose another --out"
+        )
 
 # %% ../nbs/02_toy.ipynb #f1d6b808
-def _install(tmp:Path, out:Path):
-    ("Rename the finished build `tmp` to `out` (a link: at its target), "
-     "replacing the toy build `_check_replaceable` allowed there")
+def _install(tmp: Path, out: Path):
+    "Rename the finished build `tmp` to `out` (a link: at its target), replacing the toy build `_check_replaceable` allowed there"
     publish_output(tmp, out, 'toy')
 
 # %% ../nbs/02_toy.ipynb #5f27de38
-def build_toy(name:str,          # toy name, one of `TOYS`
-              out,               # model directory to create
-              force:bool=False,  # rebuild even if `out` holds a complete build (or replace another toy there)
-             )->Path:            # `out`, absolute
+def build_toy(
+    name: str,  # toy name, one of `TOYS`
+    out,  # model directory to create
+    force: bool = False,  # rebuild even if `out` holds a complete build (or replace another toy there)
+) -> Path:  # `out`, absolute
     "Build toy `name` at `out` deterministically; a complete build already there is reused"
     spec, out = toy_spec(name), Path(out).expanduser().absolute()
-    if not force and _complete(out, spec): return out
+    if not force and _complete(out, spec):
+        return out
     _check_replaceable(out, spec, force)
     tmp = output_temp(out, 'toy')  # beside `out`'s real place: a link is written through
     try:
         write_toy(spec, tmp)
         mark_output(tmp, 'toy', stamp=False)  # byte-identical builds: no time or process in the marker
-        for f in [tmp, *tmp.iterdir()]: f.chmod(0o755 if f.is_dir() else 0o644)  # mkdtemp, safetensors: private modes
+        for f in [tmp, *tmp.iterdir()]:
+            f.chmod(0o755 if f.is_dir() else 0o644)  # mkdtemp, safetensors: private modes
         if force or not _complete(out, spec):  # a concurrent build may have finished meanwhile
-            try: _install(tmp, out)
+            try:
+                _install(tmp, out)
             except OSError:
-                if not _complete(out, spec): raise  # else: a concurrent build won the race
-    finally: shutil.rmtree(tmp, ignore_errors=True)
+                if not _complete(out, spec):
+                    raise  # else: a concurrent build won the race
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 # %% ../nbs/02_toy.ipynb #afb4c8f5
-def toy_dir(name:str,  # toy name
-            cache=None, # cache root; default `$EAGLE3NB_CACHE`, else `~/.cache/eagle3nb`
-           )->Path:
+def toy_dir(
+    name: str,  # toy name
+    cache=None,  # cache root; default `$EAGLE3NB_CACHE`, else `~/.cache/eagle3nb`
+) -> Path:
     "Where toy `name` lives in the cache"
     toy_spec(name)
-    return Path(cache or os.environ.get('EAGLE3NB_CACHE') or '~/.cache/eagle3nb').expanduser()/'toys'/name
+    return Path(cache or os.environ.get('EAGLE3NB_CACHE') or '~/.cache/eagle3nb').expanduser() / 'toys' / name
 
-def ensure_toy(name:str, # toy name
-               out=None, # model directory; default `toy_dir(name)`
-              )->Path:
+
+def ensure_toy(
+    name: str,  # toy name
+    out=None,  # model directory; default `toy_dir(name)`
+) -> Path:
     "Path of a complete build of toy `name`, building it if needed"
     out = Path(out) if out else toy_dir(name)
     m = _marker(out)
@@ -289,133 +439,230 @@ def ensure_toy(name:str, # toy name
 
 # %% ../nbs/02_toy.ipynb #0d657093
 STDLIB_FILES = {  # file under sysconfig's stdlib folder -> sha256 prefix on CPython 3.11.7
-    'textwrap.py': '62867e40cdea6669', 'string.py': '24aeae1f0526250f', 'shlex.py': '42ab6060f316e121',
-    'fnmatch.py': '6683da36e47af523', 'glob.py': 'fa579f8a50a66313', 'bisect.py': 'e5b2ff166f48a06e',
-    'heapq.py': '6d43277e5c76fc0f', 'colorsys.py': 'd9800f8e81d46e63', 'queue.py': 'f6c37fc37cd74409',
-    'sched.py': 'edfb309483d7cb05', 'json/encoder.py': '7c358788fbb2a6a0', 'json/decoder.py': '9f02654649816145',
-    'json/__init__.py': 'd5d41e2c29049515', 'base64.py': '7de2ffc30db7b791', 'calendar.py': 'b3b140864fd122a5',
-    'difflib.py': '0c6afc23568d55b3', 'csv.py': '6c68a5186e3b85e6', 'argparse.py': 'dc1eba8adfdf6159',
-    'pathlib.py': '3b21ac188fd9ac20', 'functools.py': '6d80018a3fa9fed4', 'dataclasses.py': '4b7e1c99ebea53b5',
-    'enum.py': '84fc683aa71da233'}
+    'textwrap.py': '62867e40cdea6669',
+    'string.py': '24aeae1f0526250f',
+    'shlex.py': '42ab6060f316e121',
+    'fnmatch.py': '6683da36e47af523',
+    'glob.py': 'fa579f8a50a66313',
+    'bisect.py': 'e5b2ff166f48a06e',
+    'heapq.py': '6d43277e5c76fc0f',
+    'colorsys.py': 'd9800f8e81d46e63',
+    'queue.py': 'f6c37fc37cd74409',
+    'sched.py': 'edfb309483d7cb05',
+    'json/encoder.py': '7c358788fbb2a6a0',
+    'json/decoder.py': '9f02654649816145',
+    'json/__init__.py': 'd5d41e2c29049515',
+    'base64.py': '7de2ffc30db7b791',
+    'calendar.py': 'b3b140864fd122a5',
+    'difflib.py': '0c6afc23568d55b3',
+    'csv.py': '6c68a5186e3b85e6',
+    'argparse.py': 'dc1eba8adfdf6159',
+    'pathlib.py': '3b21ac188fd9ac20',
+    'functools.py': '6d80018a3fa9fed4',
+    'dataclasses.py': '4b7e1c99ebea53b5',
+    'enum.py': '84fc683aa71da233',
+}
 TOPICS_SHA256 = '37b51a0283fe8609'  # json.dumps(pydoc_data.topics.topics, sort_keys=True), 3.11.2 and 3.11.7
 
-def _sha(b)->str: return hashlib.sha256(b if isinstance(b, bytes) else b.encode()).hexdigest()[:16]
+
+def _sha(b) -> str:
+    return hashlib.sha256(b if isinstance(b, bytes) else b.encode()).hexdigest()[:16]
 
 # %% ../nbs/02_toy.ipynb #830dba71
-def stdlib_docs()->tuple: # ([(name, text)], names whose pin did not hold)
+def stdlib_docs() -> tuple:  # ([(name, text)], names whose pin did not hold)
     "The trained toys' text: pinned stdlib sources, then the `pydoc_data.topics` entries in name order"
     import sysconfig
     from pydoc_data.topics import topics
+
     root, docs, off = Path(sysconfig.get_paths()['stdlib']), [], []
     for f, h in STDLIB_FILES.items():
-        if not (root/f).is_file(): off.append(f); continue
-        b = (root/f).read_bytes()
-        if _sha(b) != h: off.append(f)
+        if not (root / f).is_file():
+            off.append(f)
+            continue
+        b = (root / f).read_bytes()
+        if _sha(b) != h:
+            off.append(f)
         docs.append((f, b.decode('utf-8')))
-    if _sha(json.dumps(topics, sort_keys=True)) != TOPICS_SHA256: off.append('pydoc_data.topics')
+    if _sha(json.dumps(topics, sort_keys=True)) != TOPICS_SHA256:
+        off.append('pydoc_data.topics')
     return docs + [(f'topic:{k}', topics[k]) for k in sorted(topics)], off
 
 # %% ../nbs/02_toy.ipynb #3a63db2e
-def chunks(text:str,       # a document
-           size:int=1200,  # target piece length in characters
-          )->list:         # pieces, in order, split at blank lines
+def chunks(
+    text: str,  # a document
+    size: int = 1200,  # target piece length in characters
+) -> list:  # pieces, in order, split at blank lines
     "Pieces of `text` of about `size` characters, cut at blank lines"
     out, cur = [], ''
     for para in text.split('\n\n'):
-        if cur and len(cur) + len(para) > size: out.append(cur); cur = ''
+        if cur and len(cur) + len(para) > size:
+            out.append(cur)
+            cur = ''
         cur += ('\n\n' if cur else '') + para
     return [c.strip('\n') for c in out + [cur] if c.strip()]
 
 # %% ../nbs/02_toy.ipynb #d55432e3
-PRETRAIN_TOOLS = [{'type': 'function', 'function': {'name': 'read_file', 'description': 'Read one part of a Python standard library file',
-    'parameters': {'type': 'object', 'required': ['path', 'part'], 'properties': {'path': {'type': 'string'}, 'part': {'type': 'integer'}}}}}]
+PRETRAIN_TOOLS = [
+    {
+        'type': 'function',
+        'function': {
+            'name': 'read_file',
+            'description': 'Read one part of a Python standard library file',
+            'parameters': {
+                'type': 'object',
+                'required': ['path', 'part'],
+                'properties': {'path': {'type': 'string'}, 'part': {'type': 'integer'}},
+            },
+        },
+    }
+]
+
 
 def _tool_chat(name, k, c, cid):
     "A read_file call for part `k` of `name`, its result `c`, and the reasoning and answer that follow"
     call = dict(id=cid, type='function', function=dict(name='read_file', arguments={'path': name, 'part': k}))
     defs = re.findall(r'^(?:def|class) (\w+)', c, re.M)
-    ans = (f'Part {k} of `{name}` defines ' + ', '.join(f'`{d}`' for d in defs) + '.') if defs else f'Part {k} of `{name}` has {c.count(chr(10)) + 1} lines.'
-    return ([dict(role='user', content=f'What is in part {k} of `{name}`?'),
-             dict(role='assistant', content='', reasoning_content=f'I will read part {k} of `{name}`.', tool_calls=[call]),
-             dict(role='tool', tool_call_id=cid, name='read_file', content=c)], f'The tool returned part {k} of `{name}`.', ans)
+    ans = (
+        (f'Part {k} of `{name}` defines ' + ', '.join(f'`{d}`' for d in defs) + '.')
+        if defs
+        else f'Part {k} of `{name}` has {c.count(chr(10)) + 1} lines.'
+    )
+    return (
+        [
+            dict(role='user', content=f'What is in part {k} of `{name}`?'),
+            dict(
+                role='assistant', content='', reasoning_content=f'I will read part {k} of `{name}`.', tool_calls=[call]
+            ),
+            dict(role='tool', tool_call_id=cid, name='read_file', content=c),
+        ],
+        f'The tool returned part {k} of `{name}`.',
+        ans,
+    )
 
 # %% ../nbs/02_toy.ipynb #39dbb6e5
-def pretrain_chats(docs:list,      # `stdlib_docs()[0]`
-                   name:str,       # toy name: picks the tool-call id convention
-                   size:int=1200,  # piece length (`chunks`)
-                  )->list:         # (messages before the answer, reasoning, answer), one per piece
+def pretrain_chats(
+    docs: list,  # `stdlib_docs()[0]`
+    name: str,  # toy name: picks the tool-call id convention
+    size: int = 1200,  # piece length (`chunks`)
+) -> list:  # (messages before the answer, reasoning, answer), one per piece
     "The trained toys' conversations: one per document piece"
     cid = 'functions.read_file:0' if name.startswith('kimi-tiny') else 'call_0'
     out = []
     for doc, text in docs:
         for k, c in enumerate(chunks(text, size), 1):
             if doc.startswith('topic:'):
-                t = doc[len('topic:'):]
-                out.append(([dict(role='user', content=f'Explain the Python topic `{t}`' + (f', part {k}.' if k > 1 else '.'))],
-                            f'The user asks about `{t}` in the Python language reference.', c))
-            elif len(out) % 4 == 0: out.append(_tool_chat(doc, k, c, cid))
-            else: out.append(([dict(role='user', content=f'Show part {k} of `{doc}` from the Python standard library.')],
-                              f'Part {k} of `{doc}` starts with `{c.splitlines()[0].strip()[:60]}`.', f'```python\n{c}\n```'))
+                t = doc[len('topic:') :]
+                out.append(
+                    (
+                        [
+                            dict(
+                                role='user',
+                                content=f'Explain the Python topic `{t}`' + (f', part {k}.' if k > 1 else '.'),
+                            )
+                        ],
+                        f'The user asks about `{t}` in the Python language reference.',
+                        c,
+                    )
+                )
+            elif len(out) % 4 == 0:
+                out.append(_tool_chat(doc, k, c, cid))
+            else:
+                out.append(
+                    (
+                        [dict(role='user', content=f'Show part {k} of `{doc}` from the Python standard library.')],
+                        f'Part {k} of `{doc}` starts with `{c.splitlines()[0].strip()[:60]}`.',
+                        f'```python\n{c}\n```',
+                    )
+                )
     return out
 
 # %% ../nbs/02_toy.ipynb #8223d3ad
-_ANSWER = {'kimi-k2-thinking.jinja': '<think>{r}</think>{c}<|im_end|>',
-           'qwen3-0.6b.jinja': '<think>\n{r}\n</think>\n\n{c}<|im_end|>'}  # what each target emits after the generation prompt
+_ANSWER = {
+    'kimi-k2-thinking.jinja': '<think>{r}</think>{c}<|im_end|>',
+    'qwen3-0.6b.jinja': '<think>\n{r}\n</think>\n\n{c}<|im_end|>',
+}  # what each target emits after the generation prompt
 
-def render_chats(tok, spec:ToySpec, chats:list)->list: # token ids, one list per conversation
+
+def render_chats(tok, spec: ToySpec, chats: list) -> list:  # token ids, one list per conversation
     "`pretrain_chats` rendered in the toy's chat template, answers as the target emits them"
     out = []
     for msgs, r, c in chats:
         tools = PRETRAIN_TOOLS if any(m.get('tool_calls') for m in msgs) else None
-        p = tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True, **{spec.thinking_kwarg: True})
+        p = tok.apply_chat_template(
+            msgs, tools=tools, tokenize=False, add_generation_prompt=True, **{spec.thinking_kwarg: True}
+        )
         out.append(tok.encode(p + _ANSWER[spec.template].format(r=r, c=c), add_special_tokens=False))
     return out
 
 # %% ../nbs/02_toy.ipynb #a2bcfdf1
-def pretrain_blocks(spec:ToySpec, tok)->tuple: # train (N, seq_len), held-out (M, seq_len) token ids
+def pretrain_blocks(spec: ToySpec, tok) -> tuple:  # train (N, seq_len), held-out (M, seq_len) token ids
     "The trained toy's training and held-out blocks, in their fixed order"
     import torch
+
     p = spec.pretrain
     ids = render_chats(tok, spec, pretrain_chats(stdlib_docs()[0], spec.name, p['chunk_chars']))
     order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(p['seed'])).tolist()
     n_eval = max(1, int(len(ids) * p['eval_share']))
+
     def blocks(seqs):
-        flat = torch.tensor([t for i in seqs for t in ids[i]]); n = len(flat) // p['seq_len']
-        return flat[:n * p['seq_len']].view(n, p['seq_len'])
+        flat = torch.tensor([t for i in seqs for t in ids[i]])
+        n = len(flat) // p['seq_len']
+        return flat[: n * p['seq_len']].view(n, p['seq_len'])
+
     return blocks(order[n_eval:]), blocks(order[:n_eval])
 
 # %% ../nbs/02_toy.ipynb #c7bb1dc5
-def heldout_ppl(m, blocks, bs:int=16)->float:
+def heldout_ppl(m, blocks, bs: int = 16) -> float:
     "Perplexity of model `m` on token `blocks` (N, T)"
     import math, torch
-    with torch.no_grad(): ls = [m(input_ids=b, labels=b).loss.item() * len(b) for b in blocks.split(bs)]
+
+    with torch.no_grad():
+        ls = [m(input_ids=b, labels=b).loss.item() * len(b) for b in blocks.split(bs)]
     return math.exp(sum(ls) / len(blocks))
 
 # %% ../nbs/02_toy.ipynb #097359a6
-def pretrain(spec:ToySpec, tok, m)->dict: # held-out perplexity before/after, steps, tokens, seconds, unpinned files
+def pretrain(spec: ToySpec, tok, m) -> dict:  # held-out perplexity before/after, steps, tokens, seconds, unpinned files
     "Train toy model `m` in place on its Python-shipped text, deterministically; return what happened"
     import math, time, torch
+
     p, (trb, evb), threads, t0 = spec.pretrain, pretrain_blocks(spec, tok), torch.get_num_threads(), time.time()
-    lr = lambda s: min(1, (s + 1) / p['warmup']) * (p['min_lr'] + (1 - p['min_lr']) * 0.5 * (1 + math.cos(math.pi * s / p['steps'])))
+    lr = lambda s: (
+        min(1, (s + 1) / p['warmup'])
+        * (p['min_lr'] + (1 - p['min_lr']) * 0.5 * (1 + math.cos(math.pi * s / p['steps'])))
+    )
     with torch.random.fork_rng(devices=[]):
-        torch.set_num_threads(1); torch.manual_seed(p['seed'])
+        torch.set_num_threads(1)
+        torch.manual_seed(p['seed'])
         try:
-            before = heldout_ppl(m.eval(), evb); m.train()
+            before = heldout_ppl(m.eval(), evb)
+            m.train()
             opt = torch.optim.AdamW(m.parameters(), lr=p['lr'], betas=(0.9, 0.95), weight_decay=0.0)
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lr)
             for s in range(p['steps']):
                 x = trb[torch.arange(s * p['batch'], (s + 1) * p['batch']) % len(trb)]  # (batch, seq_len)
                 m(input_ids=x, labels=x).loss.backward()
-                torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0); opt.step(); sched.step(); opt.zero_grad(set_to_none=True)
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
             after = heldout_ppl(m.eval(), evb)
-        finally: torch.set_num_threads(threads)
-    return dict(heldout_ppl_random=round(before, 2), heldout_ppl=round(after, 2), steps=p['steps'], train_tokens=p['steps'] * p['batch'] * p['seq_len'],
-                heldout_tokens=evb.numel(), seconds=round(time.time() - t0, 1), unpinned=stdlib_docs()[1])
+        finally:
+            torch.set_num_threads(threads)
+    return dict(
+        heldout_ppl_random=round(before, 2),
+        heldout_ppl=round(after, 2),
+        steps=p['steps'],
+        train_tokens=p['steps'] * p['batch'] * p['seq_len'],
+        heldout_tokens=evb.numel(),
+        seconds=round(time.time() - t0, 1),
+        unpinned=stdlib_docs()[1],
+    )
 
 # %% ../nbs/02_toy.ipynb #2230df2b
-def toy_key(spec:ToySpec)->str:
+def toy_key(spec: ToySpec) -> str:
     "Content hash of everything that determines a trained toy's weights"
     import torch
+
     docs = stdlib_docs()[0]
     parts = [json.dumps(asdict(spec), sort_keys=True, default=str), CORPUS_SHA256, torch.__version__.split('+')[0]]
     return _sha('\n'.join(parts + [f'{n}:{_sha(t)}' for n, t in docs]))

@@ -20,62 +20,81 @@ from safetensors.torch import save_file, load_file
 from .draft import Eagle3Draft, draft_target_ids, new_draft
 
 # %% ../nbs/61_train.ipynb #5cf5b595
-def _restrict(z:torch.Tensor, tids, t2d): # z (n, V) logits -> p (n, Vd), ok (n,)
+def _restrict(z: torch.Tensor, tids, t2d):  # z (n, V) logits -> p (n, Vd), ok (n,)
     z = z.float()
     return z[:, tids].softmax(-1), t2d[z.argmax(-1)]
 
-def target_dist(s:dict,               # one sample (see the table above)
-                tids:torch.Tensor,    # (Vd,) target id of each draft index; its device is where the work happens
-                t2d:torch.Tensor,     # (V,) bool, the draft vocab on the target side
-                lm_head:torch.Tensor=None, # (V, H) the target's output embedding, for `final`
-                chunk:int=1024,       # `final` rows per matmul: (chunk, V) logits at a time
-               ):                     # p (T, Vd) float32, ok (T,) bool: target argmax in the draft vocab
+
+def target_dist(
+    s: dict,  # one sample (see the table above)
+    tids: torch.Tensor,  # (Vd,) target id of each draft index; its device is where the work happens
+    t2d: torch.Tensor,  # (V,) bool, the draft vocab on the target side
+    lm_head: torch.Tensor = None,  # (V, H) the target's output embedding, for `final`
+    chunk: int = 1024,  # `final` rows per matmul: (chunk, V) logits at a time
+):  # p (T, Vd) float32, ok (T,) bool: target argmax in the draft vocab
     "The target's next-token distribution over the draft vocab at each position"
     dev, Vd = tids.device, len(tids)
     if 'target_logits' in s:
         z = s['target_logits'].to(dev)
-        if z.shape[-1] == Vd: return z.float().softmax(-1), torch.ones(len(z), dtype=torch.bool, device=dev)
+        if z.shape[-1] == Vd:
+            return z.float().softmax(-1), torch.ones(len(z), dtype=torch.bool, device=dev)
         return _restrict(z, tids, t2d)
     if 'final' in s:
         assert lm_head is not None, "a sample with `final` needs the target's lm_head"
-        parts = [_restrict(f.to(lm_head) @ lm_head.T, tids, t2d) for f in s['final'].to(dev).split(chunk)]  # (n, V) each
+        parts = [
+            _restrict(f.to(lm_head) @ lm_head.T, tids, t2d) for f in s['final'].to(dev).split(chunk)
+        ]  # (n, V) each
         return torch.cat([p for p, _ in parts]), torch.cat([o for _, o in parts])  # (T, Vd), (T,)
-    if 'target_probs' in s: p = s['target_probs'].to(dev).float()
+    if 'target_probs' in s:
+        p = s['target_probs'].to(dev).float()
     elif 'topk_p' in s:
-        p = torch.zeros(len(s['topk_p']), Vd, device=dev).scatter_(1, s['topk_idx'].to(dev).long(), s['topk_p'].to(dev).float())  # (T, Vd)
-    else: raise KeyError(f"sample has no target signal: {sorted(s)}")
+        p = torch.zeros(len(s['topk_p']), Vd, device=dev).scatter_(
+            1, s['topk_idx'].to(dev).long(), s['topk_p'].to(dev).float()
+        )  # (T, Vd)
+    else:
+        raise KeyError(f"sample has no target signal: {sorted(s)}")
     return p / p.sum(-1, keepdim=True).clamp_min(1e-12), torch.ones(len(p), dtype=torch.bool, device=dev)
 
 # %% ../nbs/61_train.ipynb #64a5e16b
-def collate(samples:list, tids, t2d, lm_head=None)->dict:
+def collate(samples: list, tids, t2d, lm_head=None) -> dict:
     "Pad samples into one batch on `tids.device`: ids, valid, loss_mask (B, T); aux (B, T, 3H); p (B, T, Vd); ok (B, T)"
     B, T, Vd, dev = len(samples), max(len(s['input_ids']) for s in samples), len(tids), tids.device
     A = samples[0]['aux'].shape[-1]
     z = lambda *shape, dtype=torch.float32: torch.zeros(*shape, dtype=dtype, device=dev)
-    b = dict(ids=z(B, T, dtype=torch.long), valid=z(B, T, dtype=torch.bool), loss_mask=z(B, T, dtype=torch.bool),
-             aux=z(B, T, A), p=z(B, T, Vd), ok=z(B, T, dtype=torch.bool))
+    b = dict(
+        ids=z(B, T, dtype=torch.long),
+        valid=z(B, T, dtype=torch.bool),
+        loss_mask=z(B, T, dtype=torch.bool),
+        aux=z(B, T, A),
+        p=z(B, T, Vd),
+        ok=z(B, T, dtype=torch.bool),
+    )
     for i, s in enumerate(samples):
-        n = len(s['input_ids']); p, ok = target_dist(s, tids, t2d, lm_head)
+        n = len(s['input_ids'])
+        p, ok = target_dist(s, tids, t2d, lm_head)
         b['ids'][i, :n], b['valid'][i, :n] = torch.as_tensor(s['input_ids']).long(), True
         b['loss_mask'][i, :n], b['aux'][i, :n] = torch.as_tensor(s['loss_mask']).bool(), s['aux'].float()
         b['p'][i, :n], b['ok'][i, :n] = p, ok
     return b
 
 # %% ../nbs/61_train.ipynb #b8c81547
-def shift(x:torch.Tensor, n:int)->torch.Tensor: # (B, T, ...) -> (B, T, ...)
+def shift(x: torch.Tensor, n: int) -> torch.Tensor:  # (B, T, ...) -> (B, T, ...)
     "Row t gets row t+n; rows past the end get zeros"
-    if n == 0: return x
+    if n == 0:
+        return x
     return torch.cat([x[:, n:], torch.zeros_like(x[:, :n])], 1)  # (B, T-n, ...) + (B, n, ...) -> (B, T, ...)
 
-def step_targets(b:dict, i:int)->tuple: # p (B, T, Vd), ok (B, T), sup (B, T): supervised rows of step i
+
+def step_targets(b: dict, i: int) -> tuple:  # p (B, T, Vd), ok (B, T), sup (B, T): supervised rows of step i
     "What step `i` is trained on, per row"
     return shift(b['p'], 1 + i), shift(b['ok'], 1 + i), shift(b['loss_mask'] & b['valid'], 2 + i)
 
 # %% ../nbs/61_train.ipynb #0fcdb4f9
-def ttt_mask(valid:torch.Tensor,  # (B, T) bool, real tokens
-             i:int,               # unroll step
-             rule:str='inference', # 'inference' (serving-time chains, the default) or 'eagle3' (EAGLE's reference trainer)
-            )->torch.Tensor:      # (B, 1, T, (i+1)T) bool, True = may attend
+def ttt_mask(
+    valid: torch.Tensor,  # (B, T) bool, real tokens
+    i: int,  # unroll step
+    rule: str = 'inference',  # 'inference' (serving-time chains, the default) or 'eagle3' (EAGLE's reference trainer)
+) -> torch.Tensor:  # (B, 1, T, (i+1)T) bool, True = may attend
     "Attention mask of TTT step `i` over the step-0 keys and the keys of steps 1..i"
     assert rule in ('eagle3', 'inference'), f"rule {rule!r}: use 'eagle3' or 'inference'"
     T, lag = valid.shape[1], (i if rule == 'eagle3' else 0)
@@ -87,11 +106,12 @@ def ttt_mask(valid:torch.Tensor,  # (B, T) bool, real tokens
 # %% ../nbs/61_train.ipynb #279a4c5d
 class TTT(nn.Module):
     "The draft unrolled `k` steps; forward(batch) -> k logits (B, T, Vd)"
-    def __init__(self, draft:Eagle3Draft, k:int=7, rule:str='inference'):
+
+    def __init__(self, draft: Eagle3Draft, k: int = 7, rule: str = 'inference'):
         super().__init__()
         self.draft, self.k, self.rule = draft, k, rule
 
-    def forward(self, b:dict)->list:
+    def forward(self, b: dict) -> list:
         m, T = self.draft, b['ids'].shape[1]
         pos = torch.arange(T, device=b['ids'].device)
         h, ks, vs, out = m.fuse(b['aux']), [], [], []
@@ -99,24 +119,34 @@ class TTT(nn.Module):
             past = (torch.cat(ks, 2), torch.cat(vs, 2)) if ks else None  # (B, nkv, iT, hd) each
             h, (kk, vv) = m.step(shift(b['ids'], 1 + i), h, pos + i, ttt_mask(b['valid'], i, self.rule), past)
             z, h = m.emit(h)  # with norm_output the post-norm state goes on
-            ks.append(kk); vs.append(vv); out.append(z)
+            ks.append(kk)
+            vs.append(vv)
+            out.append(z)
         return out
 
 # %% ../nbs/61_train.ipynb #dff94ee8
-def ttt_loss(logits:list, b:dict, decay:float=0.8)->tuple: # total loss, sums {ce_i, n_ce_i, hit_i, n_i}
+def ttt_loss(logits: list, b: dict, decay: float = 0.8) -> tuple:  # total loss, sums {ce_i, n_ce_i, hit_i, n_i}
     "Weighted soft cross-entropy of the unrolled steps, and the sums behind per-step loss and accuracy"
-    total, sums = 0., {}
+    total, sums = 0.0, {}
     for i, z in enumerate(logits):
         p, ok, sup = step_targets(b, i)
         use = sup & ok
-        ce = -(p * F.log_softmax(z.float(), -1)).sum(-1)           # (B, T)
+        ce = -(p * F.log_softmax(z.float(), -1)).sum(-1)  # (B, T)
         ce_sum = torch.where(use, ce, torch.zeros_like(ce)).sum()  # where, not *: a padded row may hold inf
         total = total + decay**i * ce_sum / use.sum().clamp_min(1)
         hit = (z.argmax(-1) == p.argmax(-1)) & use
-        sums.update({f'ce_{i}': ce_sum.detach().item(), f'n_ce_{i}': use.sum().item(), f'hit_{i}': hit.sum().item(), f'n_{i}': sup.sum().item()})
+        sums.update(
+            {
+                f'ce_{i}': ce_sum.detach().item(),
+                f'n_ce_{i}': use.sum().item(),
+                f'hit_{i}': hit.sum().item(),
+                f'n_{i}': sup.sum().item(),
+            }
+        )
     return total, sums
 
-def summarize(sums:dict, k:int)->dict: # loss_i, acc_i per step
+
+def summarize(sums: dict, k: int) -> dict:  # loss_i, acc_i per step
     "Per-step loss and top-1 accuracy from summed counts"
     out = {}
     for i in range(k):
@@ -124,43 +154,57 @@ def summarize(sums:dict, k:int)->dict: # loss_i, acc_i per step
         out[f'acc_{i}'] = sums[f'hit_{i}'] / max(sums[f'n_{i}'], 1)
     return out
 
-def add_sums(a:dict, b:dict)->dict: return {k: a.get(k, 0) + v for k, v in b.items()}
+
+def add_sums(a: dict, b: dict) -> dict:
+    return {k: a.get(k, 0) + v for k, v in b.items()}
 
 # %% ../nbs/61_train.ipynb #6893a8a0
-def accept_estimate(accs:list)->float:
+def accept_estimate(accs: list) -> float:
     "Estimated accept length 1 + sum_k prod_{j<=k} acc_j (the 1 is the target's bonus token)"
-    return 1 + sum(math.prod(accs[:k+1]) for k in range(len(accs)))
+    return 1 + sum(math.prod(accs[: k + 1]) for k in range(len(accs)))
 
 # %% ../nbs/61_train.ipynb #2d321249
 @torch.no_grad()
-def chain_hits(draft:Eagle3Draft, b:dict, k:int=7)->tuple: # hits (B, k, T) bool, roots (B, T) bool
+def chain_hits(draft: Eagle3Draft, b: dict, k: int = 7) -> tuple:  # hits (B, k, T) bool, roots (B, T) bool
     "Per root row and draft step: is the proposal accepted (serving-time attention)"
     tids = draft_target_ids(draft)
     hits = []
     for i, z in enumerate(TTT(draft, k, 'inference')(b)):
         p, ok, sup = step_targets(b, i)
-        d = z.argmax(-1)                                                   # (B, T) draft-vocab index
+        d = z.argmax(-1)  # (B, T) draft-vocab index
         hits.append((d == p.argmax(-1)) & ok & sup & (tids[d] == shift(b['ids'], 2 + i)))
     lm = b['loss_mask'] & b['valid']
     return torch.stack(hits, 1), shift(lm, 1) & shift(lm, 2)  # a root feeds a completion token and drafts another
 
-def accept_lengths(hits:torch.Tensor, roots:torch.Tensor)->list: # accept length of every decoding round
+
+def accept_lengths(hits: torch.Tensor, roots: torch.Tensor) -> list:  # accept length of every decoding round
     "Walk one sample (hits (k, T), roots (T,)) as a decoder would: a round at root t accepts 1 + leading hits"
     lead = hits.int().cumprod(0).sum(0)  # (T,) leading accepted draft tokens per root
     out, t, T = [], 0, len(roots)
     while t < T:
-        if not roots[t]: t += 1; continue  # prompt, or a span's last token: the next span starts a new walk
-        a = 1 + int(lead[t]); out.append(a); t += a
+        if not roots[t]:
+            t += 1
+            continue  # prompt, or a span's last token: the next span starts a new walk
+        a = 1 + int(lead[t])
+        out.append(a)
+        t += a
     return out
 
 # %% ../nbs/61_train.ipynb #584ef6d5
 @torch.no_grad()
-def evaluate(draft:Eagle3Draft, samples, k:int=7, decay:float=0.8, lm_head=None, rule:str='inference',
-             dataset_of:dict=None, # sample_id -> dataset, for samples (store rows) that do not carry `dataset`
-            )->dict:
+def evaluate(
+    draft: Eagle3Draft,
+    samples,
+    k: int = 7,
+    decay: float = 0.8,
+    lm_head=None,
+    rule: str = 'inference',
+    dataset_of: dict = None,  # sample_id -> dataset, for samples (store rows) that do not carry `dataset`
+) -> dict:
     "Per dataset ('all' too): per-step loss/acc, estimated and simulated accept length"
     dev, tids = draft.fc.weight.device, draft_target_ids(draft)
-    if lm_head is not None: lm_head = lm_head.to(dev)
+    if lm_head is not None:
+        lm_head = lm_head.to(dev)
     sums, rounds = {}, {}
     for s in samples:
         b = collate([s], tids, draft.t2d, lm_head)
@@ -172,7 +216,8 @@ def evaluate(draft:Eagle3Draft, samples, k:int=7, decay:float=0.8, lm_head=None,
             rounds[name] = rounds.get(name, []) + accept_lengths(h[0], r[0])
     out = {}
     for name, sm in sums.items():
-        if name != 'all' and len(sums) == 2: continue  # one dataset: 'all' says it
+        if name != 'all' and len(sums) == 2:
+            continue  # one dataset: 'all' says it
         m = summarize(sm, k)
         m['accept_est'] = accept_estimate([m[f'acc_{i}'] for i in range(k)])
         m['accept_sim'] = sum(rounds[name]) / max(len(rounds[name]), 1)
@@ -183,167 +228,238 @@ def evaluate(draft:Eagle3Draft, samples, k:int=7, decay:float=0.8, lm_head=None,
 # %% ../nbs/61_train.ipynb #d52f0c23
 @dataclass
 class TrainConfig:
-    ttt_steps:int = 7          # k: unrolled draft steps per sample (EAGLE-3's default)
-    decay:float = 0.8          # step i's loss weight is decay**i
-    lr:float = 1e-4            # peak AdamW learning rate (recipe default)
-    warmup_steps:int = 100     # linear warmup from 0
-    max_steps:int = 1000       # optimizer steps in the run; cosine reaches 0 here
-    batch_size:int = 1         # samples per rank per step (long samples: 1, as SpecForge)
-    grad_clip:float = 0.5      # max global gradient norm (recipe default)
-    weight_decay:float = 0.0
-    beta2:float = 0.95
-    mask_rule:str = 'inference' # TTT attention mask: serving-time chains; 'eagle3' hides step-0 keys s > t - i (see ttt_mask)
-    ckpt_every:int = 500       # steps between checkpoints (also at the last step)
-    eval_every:int = 500       # steps between evaluations (also at the last step)
-    log_every:int = 10         # steps between train-metric lines
-    seed:int = 0               # data order; the draft's init is seeded separately (new_draft)
-    bf16:bool = True           # autocast to bf16 where the device supports it (CUDA with bf16)
+    ttt_steps: int = 7  # k: unrolled draft steps per sample (EAGLE-3's default)
+    decay: float = 0.8  # step i's loss weight is decay**i
+    lr: float = 1e-4  # peak AdamW learning rate (recipe default)
+    warmup_steps: int = 100  # linear warmup from 0
+    max_steps: int = 1000  # optimizer steps in the run; cosine reaches 0 here
+    batch_size: int = 1  # samples per rank per step (long samples: 1, as SpecForge)
+    grad_clip: float = 0.5  # max global gradient norm (recipe default)
+    weight_decay: float = 0.0
+    beta2: float = 0.95
+    mask_rule: str = (
+        'inference'  # TTT attention mask: serving-time chains; 'eagle3' hides step-0 keys s > t - i (see ttt_mask)
+    )
+    ckpt_every: int = 500  # steps between checkpoints (also at the last step)
+    eval_every: int = 500  # steps between evaluations (also at the last step)
+    log_every: int = 10  # steps between train-metric lines
+    seed: int = 0  # data order; the draft's init is seeded separately (new_draft)
+    bf16: bool = True  # autocast to bf16 where the device supports it (CUDA with bf16)
 
-def lr_factor(step:int, c:TrainConfig)->float:
+
+def lr_factor(step: int, c: TrainConfig) -> float:
     "Multiplier of `c.lr` at `step`: linear warmup, then cosine to 0 at `max_steps`"
-    if step < c.warmup_steps: return (step + 1) / c.warmup_steps
-    return 0.5 * (1 + math.cos(math.pi * min(1., (step - c.warmup_steps) / max(1, c.max_steps - c.warmup_steps))))
+    if step < c.warmup_steps:
+        return (step + 1) / c.warmup_steps
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - c.warmup_steps) / max(1, c.max_steps - c.warmup_steps))))
 
 # %% ../nbs/61_train.ipynb #8266da75
-def batch_indices(n:int, bs:int, step:int, seed:int=0, rank:int=0, world:int=1)->tuple: # indices, epoch
+def batch_indices(n: int, bs: int, step: int, seed: int = 0, rank: int = 0, world: int = 1) -> tuple:  # indices, epoch
     "Sample indices of this rank's share of global batch `step`, and its epoch"
     per_epoch = n // (bs * world)
     assert per_epoch > 0, f"{n} samples cannot fill one batch of {bs} x {world} ranks"
     epoch, j = divmod(step, per_epoch)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-    return perm[j*bs*world:(j+1)*bs*world][rank::world].tolist(), epoch
+    return perm[j * bs * world : (j + 1) * bs * world][rank::world].tolist(), epoch
 
 # %% ../nbs/61_train.ipynb #8ac40579
-def save_checkpoint(run_dir, step:int, draft:Eagle3Draft, opt, sched, cfg:TrainConfig, epoch:int=0)->Path:
+def save_checkpoint(run_dir, step: int, draft: Eagle3Draft, opt, sched, cfg: TrainConfig, epoch: int = 0) -> Path:
     "Write checkpoint `step_N` atomically; return its folder"
-    d = Path(run_dir)/'checkpoints'/f'step_{step}'
+    d = Path(run_dir) / 'checkpoints' / f'step_{step}'
     from eagle3nb.recipe import publishing
+
     sd = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
     with publishing(d, 'train') as tmp:  # a fresh temp name; only train's own `step_N` is ever replaced
-        save_file(sd, str(tmp/'model.safetensors'), metadata={'draft_config': json.dumps(asdict(draft.config))})
-        torch.save(dict(optimizer=opt.state_dict(), scheduler=sched.state_dict(), step=step, epoch=epoch,
-                        config=asdict(cfg), rng=torch.get_rng_state(), py_rng=random.getstate(),
-                        cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None),
-                   tmp/'train_state.pt')
+        save_file(sd, str(tmp / 'model.safetensors'), metadata={'draft_config': json.dumps(asdict(draft.config))})
+        torch.save(
+            dict(
+                optimizer=opt.state_dict(),
+                scheduler=sched.state_dict(),
+                step=step,
+                epoch=epoch,
+                config=asdict(cfg),
+                rng=torch.get_rng_state(),
+                py_rng=random.getstate(),
+                cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            ),
+            tmp / 'train_state.pt',
+        )
     return d
 
-def latest_checkpoint(run_dir)->Path|None:
+
+def latest_checkpoint(run_dir) -> Path | None:
     "The checkpoint folder with the highest step, or None"
-    ds = [p for p in (Path(run_dir)/'checkpoints').glob('step_*') if p.is_dir()]
+    ds = [p for p in (Path(run_dir) / 'checkpoints').glob('step_*') if p.is_dir()]
     return max(ds, key=lambda p: int(p.name.split('_')[1])) if ds else None
 
-def _sharded_state(st:dict)->bool:
+
+def _sharded_state(st: dict) -> bool:
     "Was this optimizer state written by an FSDP run (keyed by parameter name, not by index)?"
     return any(isinstance(k, str) for k in st['optimizer'].get('state', {}))
 
-def load_checkpoint(d, draft:Eagle3Draft, opt=None, sched=None)->dict:
+
+def load_checkpoint(d, draft: Eagle3Draft, opt=None, sched=None) -> dict:
     "Restore the draft (and optimizer, scheduler, RNG); return the train state"
-    draft.load_state_dict(load_file(str(Path(d)/'model.safetensors'), device=str(draft.fc.weight.device)))
-    st = torch.load(Path(d)/'train_state.pt', weights_only=False)
+    draft.load_state_dict(load_file(str(Path(d) / 'model.safetensors'), device=str(draft.fc.weight.device)))
+    st = torch.load(Path(d) / 'train_state.pt', weights_only=False)
     if opt is not None and _sharded_state(st):
-        raise ValueError(f"{d} was written by an FSDP run (train(..., fsdp=True) under torchrun); resume it the same way")
-    if opt is not None: opt.load_state_dict(st['optimizer'])
-    if sched is not None: sched.load_state_dict(st['scheduler'])
-    torch.set_rng_state(st['rng']); random.setstate(st['py_rng'])
-    if st['cuda_rng'] is not None and torch.cuda.is_available(): torch.cuda.set_rng_state_all(st['cuda_rng'])
+        raise ValueError(
+            f"{d} was written by an FSDP run (train(..., fsdp=True) under torchrun); resume it the same way"
+        )
+    if opt is not None:
+        opt.load_state_dict(st['optimizer'])
+    if sched is not None:
+        sched.load_state_dict(st['scheduler'])
+    torch.set_rng_state(st['rng'])
+    random.setstate(st['py_rng'])
+    if st['cuda_rng'] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st['cuda_rng'])
     return st
 
 # %% ../nbs/61_train.ipynb #5479e899
-def dist_setup(device:str)->tuple: # rank, world
+def dist_setup(device: str) -> tuple:  # rank, world
     "Join the torchrun process group if there is one"
     world = int(os.environ.get('WORLD_SIZE', 1))
     if world > 1 and not torch.distributed.is_initialized():
         torch.distributed.init_process_group('nccl' if device.startswith('cuda') else 'gloo')
     return (torch.distributed.get_rank(), world) if world > 1 else (0, 1)
 
-def _autocast(device:str, bf16:bool):
+
+def _autocast(device: str, bf16: bool):
     on = bf16 and device.startswith('cuda') and torch.cuda.is_bf16_supported()
     return torch.autocast('cuda', dtype=torch.bfloat16, enabled=on) if on else torch.autocast('cpu', enabled=False)
 
 # %% ../nbs/61_train.ipynb #16d6ad71
-class Stopped(RuntimeError): pass
+class Stopped(RuntimeError):
+    pass
 
-def _log(path, rec:dict):
-    with open(path, 'a') as f: f.write(json.dumps(rec) + '\n')
 
-def _trim_log(path, step:int):
+def _log(path, rec: dict):
+    with open(path, 'a') as f:
+        f.write(json.dumps(rec) + '\n')
+
+
+def _trim_log(path, step: int):
     "Keep the metric lines up to `step` (a resumed run rewrites the rest)"
-    if not Path(path).exists(): return
+    if not Path(path).exists():
+        return
     keep = [l for l in Path(path).read_text().splitlines() if l and json.loads(l)['step'] <= step]
     Path(path).write_text(''.join(l + '\n' for l in keep))
 
 # %% ../nbs/61_train.ipynb #db82faf6
-def load_sharded_checkpoint(d, net:nn.Module, opt, sched, ref:Eagle3Draft=None)->dict:
+def load_sharded_checkpoint(d, net: nn.Module, opt, sched, ref: Eagle3Draft = None) -> dict:
     "Restore an FSDP2-sharded `TTT` wrapper from a full checkpoint: every rank reads it and keeps its own shard"
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict, StateDictOptions
-    sd = load_file(str(Path(d)/'model.safetensors'))
-    st = torch.load(Path(d)/'train_state.pt', weights_only=False)
-    if not _sharded_state(st): raise ValueError(f"{d} was written by a single-process or DDP run; resume it without fsdp=True")
+
+    sd = load_file(str(Path(d) / 'model.safetensors'))
+    st = torch.load(Path(d) / 'train_state.pt', weights_only=False)
+    if not _sharded_state(st):
+        raise ValueError(f"{d} was written by a single-process or DDP run; resume it without fsdp=True")
     full = StateDictOptions(full_state_dict=True)
     set_model_state_dict(net, {f'draft.{k}': v for k, v in sd.items()}, options=full)
     set_optimizer_state_dict(net, opt, st['optimizer'], options=full)
     sched.load_state_dict(st['scheduler'])
-    torch.set_rng_state(st['rng']); random.setstate(st['py_rng'])
-    if ref is not None: ref.load_state_dict(sd)  # rank 0's plain copy, for evaluation and the next checkpoint
+    torch.set_rng_state(st['rng'])
+    random.setstate(st['py_rng'])
+    if ref is not None:
+        ref.load_state_dict(sd)  # rank 0's plain copy, for evaluation and the next checkpoint
     return st
 
 # %% ../nbs/61_train.ipynb #b52f0e0e
-def train(draft:Eagle3Draft,        # a draft from `new_draft` (its init is the run's init)
-          train_samples,            # sequence of sample dicts (a list, or store.HiddenStates)
-          run_dir,                  # checkpoints/ and metrics.jsonl go here; resumes from the latest checkpoint
-          cfg:TrainConfig=TrainConfig(),
-          eval_samples=None,        # evaluated every `eval_every` steps and at the end
-          lm_head=None,             # (V, H) the target's lm_head, for samples that carry `final`
-          device:str='cpu',
-          stop_after:int=None,      # raise `Stopped` after this step (simulated kill)
-          dataset_of:dict=None,     # sample_id -> dataset, for per-dataset eval of store rows
-          fsdp:bool=False,          # under torchrun: shard the draft with FSDP2 `fully_shard` instead of DDP replication
-          log=print)->Eagle3Draft:
+def train(
+    draft: Eagle3Draft,  # a draft from `new_draft` (its init is the run's init)
+    train_samples,  # sequence of sample dicts (a list, or store.HiddenStates)
+    run_dir,  # checkpoints/ and metrics.jsonl go here; resumes from the latest checkpoint
+    cfg: TrainConfig = TrainConfig(),
+    eval_samples=None,  # evaluated every `eval_every` steps and at the end
+    lm_head=None,  # (V, H) the target's lm_head, for samples that carry `final`
+    device: str = 'cpu',
+    stop_after: int = None,  # raise `Stopped` after this step (simulated kill)
+    dataset_of: dict = None,  # sample_id -> dataset, for per-dataset eval of store rows
+    fsdp: bool = False,  # under torchrun: shard the draft with FSDP2 `fully_shard` instead of DDP replication
+    log=print,
+) -> Eagle3Draft:
     "Train the draft with TTT; resumable bit-for-bit from its checkpoints"
-    assert cfg.ckpt_every % cfg.log_every == 0, 'ckpt_every must be a multiple of log_every (a resumed log must equal an unbroken one)'
-    run_dir = Path(run_dir); run_dir.mkdir(parents=True, exist_ok=True)
+    assert cfg.ckpt_every % cfg.log_every == 0, (
+        'ckpt_every must be a multiple of log_every (a resumed log must equal an unbroken one)'
+    )
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
     rank, world = dist_setup(device)
     draft.to(device)
     net = TTT(draft, cfg.ttt_steps, cfg.mask_rule)
     sharded, ref = world > 1 and fsdp, None
     if sharded:  # evaluation and checkpoints gather the full weights into a plain copy on rank 0
         from torch.distributed.fsdp import fully_shard
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, StateDictOptions
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            StateDictOptions,
+        )
+
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)
         ref = copy.deepcopy(draft) if rank == 0 else None
         fully_shard(net)
     elif world > 1:  # buffers (the embedding) are equal on every rank: no need to broadcast them each step
-        net = nn.parallel.DistributedDataParallel(net, device_ids=[torch.device(device).index] if device.startswith('cuda') else None,
-                                                  broadcast_buffers=False)
-    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, cfg.beta2), weight_decay=cfg.weight_decay)
+        net = nn.parallel.DistributedDataParallel(
+            net, device_ids=[torch.device(device).index] if device.startswith('cuda') else None, broadcast_buffers=False
+        )
+    opt = torch.optim.AdamW(
+        [p for p in draft.parameters() if p.requires_grad],
+        lr=cfg.lr,
+        betas=(0.9, cfg.beta2),
+        weight_decay=cfg.weight_decay,
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
-    step, metrics = 0, run_dir/'metrics.jsonl'
+    step, metrics = 0, run_dir / 'metrics.jsonl'
     if rank == 0:  # a killed run's half-written checkpoints: train's temp folders whose process is gone
         from eagle3nb.recipe import remove_stale
-        remove_stale(run_dir/'checkpoints', 'train')
+
+        remove_stale(run_dir / 'checkpoints', 'train')
     if (ck := latest_checkpoint(run_dir)) is not None:
-        step = (load_sharded_checkpoint(ck, net, opt, sched, ref) if sharded else load_checkpoint(ck, draft, opt, sched))['step']
+        step = (
+            load_sharded_checkpoint(ck, net, opt, sched, ref) if sharded else load_checkpoint(ck, draft, opt, sched)
+        )['step']
         log(f'resumed from {ck}')
-    if rank == 0: _trim_log(metrics, step)
+    if rank == 0:
+        _trim_log(metrics, step)
     tids, t2d = draft_target_ids(draft), draft.t2d  # on `device`: targets are computed there
-    if lm_head is not None: lm_head = lm_head.to(device)
+    if lm_head is not None:
+        lm_head = lm_head.to(device)
     sums, t0 = {}, time.time()
     while step < cfg.max_steps:
         idx, epoch = batch_indices(len(train_samples), cfg.batch_size, step, cfg.seed, rank, world)
         b = collate([train_samples[i] for i in idx], tids, t2d, lm_head)
-        with _autocast(device, cfg.bf16): logits = net(b)
+        with _autocast(device, cfg.bf16):
+            logits = net(b)
         loss, sm = ttt_loss(logits, b, cfg.decay)
-        opt.zero_grad(set_to_none=True); loss.backward()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
         gnorm = nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
-        if hasattr(gnorm, 'full_tensor'): gnorm = gnorm.full_tensor()  # FSDP: a DTensor
-        opt.step(); sched.step(); step += 1
+        if hasattr(gnorm, 'full_tensor'):
+            gnorm = gnorm.full_tensor()  # FSDP: a DTensor
+        opt.step()
+        sched.step()
+        step += 1
         if world > 1:  # metrics over the global batch, not rank 0's share
             v = torch.tensor(list(sm.values()), dtype=torch.float64, device=device)
-            torch.distributed.all_reduce(v); sm = dict(zip(sm, v.tolist()))
+            torch.distributed.all_reduce(v)
+            sm = dict(zip(sm, v.tolist()))
         sums = add_sums(sums, sm)
         if rank == 0 and (step % cfg.log_every == 0 or step == cfg.max_steps):
-            _log(metrics, dict(split='train', step=step, epoch=epoch, lr=sched.get_last_lr()[0], loss=loss.item(),
-                               grad_norm=gnorm.item(), s=round(time.time() - t0, 2), **summarize(sums, cfg.ttt_steps)))
+            _log(
+                metrics,
+                dict(
+                    split='train',
+                    step=step,
+                    epoch=epoch,
+                    lr=sched.get_last_lr()[0],
+                    loss=loss.item(),
+                    grad_norm=gnorm.item(),
+                    s=round(time.time() - t0, 2),
+                    **summarize(sums, cfg.ttt_steps),
+                ),
+            )
             sums = {}
         do_eval = eval_samples is not None and (step % cfg.eval_every == 0 or step == cfg.max_steps)
         do_ckpt = step % cfg.ckpt_every == 0 or step == cfg.max_steps
@@ -351,86 +467,136 @@ def train(draft:Eagle3Draft,        # a draft from `new_draft` (its init is the 
         if sharded and (do_eval or do_ckpt):  # collective: every rank takes part
             sd = get_model_state_dict(net, options=full)
             osd = get_optimizer_state_dict(net, opt, options=full) if do_ckpt else None
-            if rank == 0: ref.load_state_dict({k.removeprefix('draft.'): v for k, v in sd.items()})
+            if rank == 0:
+                ref.load_state_dict({k.removeprefix('draft.'): v for k, v in sd.items()})
             view, o = ref, SimpleNamespace(state_dict=lambda: osd)
         if rank == 0 and do_eval:
-            for name, m in evaluate(view, eval_samples, cfg.ttt_steps, cfg.decay, lm_head, cfg.mask_rule, dataset_of).items():
+            for name, m in evaluate(
+                view, eval_samples, cfg.ttt_steps, cfg.decay, lm_head, cfg.mask_rule, dataset_of
+            ).items():
                 _log(metrics, dict(split='eval', dataset=name, step=step, **m))
-        if rank == 0 and do_ckpt: save_checkpoint(run_dir, step, view, o, sched, cfg, epoch)
-        if world > 1: torch.distributed.barrier()
-        if stop_after is not None and step >= stop_after: raise Stopped(f'stopped after step {step}')
-    if sharded: return ref if rank == 0 else None  # rank 0: the trained weights, unsharded (gathered at the last step)
+        if rank == 0 and do_ckpt:
+            save_checkpoint(run_dir, step, view, o, sched, cfg, epoch)
+        if world > 1:
+            torch.distributed.barrier()
+        if stop_after is not None and step >= stop_after:
+            raise Stopped(f'stopped after step {step}')
+    if sharded:
+        return ref if rank == 0 else None  # rank 0: the trained weights, unsharded (gathered at the last step)
     return draft
 
 # %% ../nbs/61_train.ipynb #79396769
-def read_metrics(run_dir)->list: # one dict per metrics line
-    p = Path(run_dir)/'metrics.jsonl'
+def read_metrics(run_dir) -> list:  # one dict per metrics line
+    p = Path(run_dir) / 'metrics.jsonl'
     return [json.loads(l) for l in p.read_text().splitlines() if l] if p.exists() else []
 
 # %% ../nbs/61_train.ipynb #13e133fd
 @torch.no_grad()
-def toy_samples(n:int=16, prompt_len:int=16, new_tokens:int=48, name:str='kimi-tiny', eval_n:int=0, final:bool=False)->dict:
+def toy_samples(
+    n: int = 16,
+    prompt_len: int = 16,
+    new_tokens: int = 48,
+    name: str = 'kimi-tiny',
+    eval_n: int = 0,
+    final: bool = False,
+) -> dict:
     "Samples from a toy target's own greedy generations: train, eval, draft-vocab maps, embedding, lm_head, config"
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from eagle3nb.toy import ensure_toy, toy_corpus
     from eagle3nb.recipe import default_aux_layers
     from eagle3nb.vocab import top_k_ids, vocab_maps
-    d = ensure_toy(name); tok = AutoTokenizer.from_pretrained(d)
+
+    d = ensure_toy(name)
+    tok = AutoTokenizer.from_pretrained(d)
     tgt = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    lines = [l for l in toy_corpus().split('\n') if len(tok(l).input_ids) >= prompt_len][:n + eval_n]
+    lines = [l for l in toy_corpus().split('\n') if len(tok(l).input_ids) >= prompt_len][: n + eval_n]
     assert len(lines) == n + eval_n, f'the toy corpus has only {len(lines)} lines of {prompt_len}+ tokens'
-    ids = torch.tensor([tok(l).input_ids[:prompt_len] for l in lines])              # (N, P)
-    gen = tgt.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)  # (N, P+G)
+    ids = torch.tensor([tok(l).input_ids[:prompt_len] for l in lines])  # (N, P)
+    gen = tgt.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+    )  # (N, P+G)
     out = tgt(gen, output_hidden_states=True)
     aux = torch.cat([out.hidden_states[k] for k in default_aux_layers(tgt.config.num_hidden_layers)], -1)  # (N, T, 3H)
     mask = (torch.arange(gen.shape[1]) >= prompt_len).long()
-    samples = [dict(input_ids=gen[i], loss_mask=mask, aux=aux[i], dataset='toy',
-                    **(dict(final=out.hidden_states[-1][i]) if final else dict(target_logits=out.logits[i])))
-               for i in range(len(gen))]
+    samples = [
+        dict(
+            input_ids=gen[i],
+            loss_mask=mask,
+            aux=aux[i],
+            dataset='toy',
+            **(dict(final=out.hidden_states[-1][i]) if final else dict(target_logits=out.logits[i])),
+        )
+        for i in range(len(gen))
+    ]
     V = tgt.config.vocab_size
-    return dict(train=samples[:n], eval=samples[n:], V=V, config=tgt.config,
-                embed=tgt.get_input_embeddings().weight.detach().clone(), lm_head=tgt.lm_head.weight.detach().clone(),
-                counts=torch.bincount(gen[:n, prompt_len:].flatten(), minlength=V))
+    return dict(
+        train=samples[:n],
+        eval=samples[n:],
+        V=V,
+        config=tgt.config,
+        embed=tgt.get_input_embeddings().weight.detach().clone(),
+        lm_head=tgt.lm_head.weight.detach().clone(),
+        counts=torch.bincount(gen[:n, prompt_len:].flatten(), minlength=V),
+    )
 
 # %% ../nbs/61_train.ipynb #b75ae1d6
-def plot_metrics(ms:list,       # `read_metrics(run_dir)`
-                 k:int=None,     # TTT steps to show; default all in the log
-                 axs=None):
+def plot_metrics(
+    ms: list,  # `read_metrics(run_dir)`
+    k: int = None,  # TTT steps to show; default all in the log
+    axs=None,
+):
     "Per-TTT-step loss and accuracy curves of a metrics log"
     import matplotlib.pyplot as plt
+
     axs = plt.subplots(1, 2, figsize=(10, 3.5))[1] if axs is None else axs
     k = k or sum(1 for key in ms[0] if key.startswith('acc_'))
     for split, style in (('train', '-'), ('eval', 'o--')):
         rows = [m for m in ms if m['split'] == split and m.get('dataset', 'all') == 'all']
-        if not rows: continue
+        if not rows:
+            continue
         x = [m['step'] for m in rows]
         for i in range(k):
             c = plt.cm.viridis(i / max(k - 1, 1))
             axs[0].plot(x, [m[f'loss_{i}'] for m in rows], style, color=c, label=f'{split} step {i}')
             axs[1].plot(x, [m[f'acc_{i}'] for m in rows], style, color=c)
-    axs[0].set(xlabel='optimizer step', ylabel='soft CE', title='loss per TTT step'); axs[0].legend(fontsize=6, ncol=2)
+    axs[0].set(xlabel='optimizer step', ylabel='soft CE', title='loss per TTT step')
+    axs[0].legend(fontsize=6, ncol=2)
     axs[1].set(xlabel='optimizer step', ylabel='top-1 accuracy', title='accuracy per TTT step')
     return axs
 
 # %% ../nbs/61_train.ipynb #26e0b0c4
-def _tied(d:Path)->bool:
+def _tied(d: Path) -> bool:
     "Does the target's config.json tie lm_head to the input embeddings? (absent: transformers' default, tied)"
-    try: c = json.loads((d/'config.json').read_text())
-    except (OSError, ValueError): return False
+    try:
+        c = json.loads((d / 'config.json').read_text())
+    except (OSError, ValueError):
+        return False
     return bool((c.get('text_config') or c).get('tie_word_embeddings', True))
 
-def target_tensors(model_dir)->dict: # embed (V, H), lm_head (V, H)
+
+def target_tensors(model_dir) -> dict:  # embed (V, H), lm_head (V, H)
     "The target's input embeddings and lm_head (the embeddings when tied), read from its safetensors files alone"
     from eagle3nb.recipe import open_safetensors, WEIGHTS_HINT
+
     st = lambda f: open_safetensors(f, WEIGHTS_HINT)
     d = Path(model_dir)
-    idx = d/'model.safetensors.index.json'
-    wm = (json.loads(idx.read_text())['weight_map'] if idx.exists()
-          else {k: 'model.safetensors' for k in st(d/'model.safetensors').keys()})
+    idx = d / 'model.safetensors.index.json'
+    wm = (
+        json.loads(idx.read_text())['weight_map']
+        if idx.exists()
+        else {k: 'model.safetensors' for k in st(d / 'model.safetensors').keys()}
+    )
     out = {}
     for want, suffix in (('embed', 'embed_tokens.weight'), ('lm_head', 'lm_head.weight')):
         names = sorted((k for k in wm if k.endswith(suffix) and 'mtp' not in k), key=len)  # shortest: the text model's
-        if not names and want == 'lm_head' and _tied(d): out['lm_head'] = out['embed']; continue  # tied embeddings
-        if not names: raise KeyError(f"{model_dir}: no tensor named *{suffix}" + (" and config.json has tie_word_embeddings false" if want == 'lm_head' else ""))
-        with st(d/wm[names[0]]) as f: out[want] = f.get_tensor(names[0])
+        if not names and want == 'lm_head' and _tied(d):
+            out['lm_head'] = out['embed']
+            continue  # tied embeddings
+        if not names:
+            raise KeyError(
+                f"{model_dir}: no tensor named *{suffix}"
+                + (" and config.json has tie_word_embeddings false" if want == 'lm_head' else "")
+            )
+        with st(d / wm[names[0]]) as f:
+            out[want] = f.get_tensor(names[0])
     return out

@@ -19,69 +19,98 @@ from .train import evaluate, target_tensors
 from .export import read_checkpoint
 
 # %% ../nbs/72_verify.ipynb #8aff4138
-def _ids(rec, tok)->list: # `tok`: called to get the tokenizer, only when a line needs it
-    if isinstance(rec, list): rec = dict(messages=rec)
-    if 'prompt_token_ids' in rec: return [int(t) for t in rec['prompt_token_ids']]
-    msgs = rec.get('messages') or ([dict(role='user', content=rec['prompt'])] if isinstance(rec.get('prompt'), str) else None)
-    if not msgs: raise ValueError(f"a prompt line needs prompt_token_ids, prompt (text) or messages; got keys {sorted(rec)}")
+def _ids(rec, tok) -> list:  # `tok`: called to get the tokenizer, only when a line needs it
+    if isinstance(rec, list):
+        rec = dict(messages=rec)
+    if 'prompt_token_ids' in rec:
+        return [int(t) for t in rec['prompt_token_ids']]
+    msgs = rec.get('messages') or (
+        [dict(role='user', content=rec['prompt'])] if isinstance(rec.get('prompt'), str) else None
+    )
+    if not msgs:
+        raise ValueError(f"a prompt line needs prompt_token_ids, prompt (text) or messages; got keys {sorted(rec)}")
     return list(tok().apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
 
-def read_prompts(path, target_dir, n:int=None)->list: # token-id lists
+
+def read_prompts(path, target_dir, n: int = None) -> list:  # token-id lists
     "Prompts from a JSONL file, as token ids for `target_dir`'s tokenizer"
     from transformers import AutoTokenizer
+
     p = Path(path)
-    if not p.is_file(): raise FileNotFoundError(f"no prompts file {p}")
+    if not p.is_file():
+        raise FileNotFoundError(f"no prompts file {p}")
     from eagle3nb.recipe import read_text
+
     what = 'write one JSON object a line: prompt_token_ids, prompt (text) or messages'
     recs = []
     for k, l in enumerate(read_text(p, 'save the prompts as UTF-8 text').splitlines(), 1):
-        if not l.strip(): continue
-        try: recs.append(json.loads(l))
-        except json.JSONDecodeError as e: raise ValueError(f"{p}: not valid JSON (line {k}): {e.msg}; {what}") from None
+        if not l.strip():
+            continue
+        try:
+            recs.append(json.loads(l))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p}: not valid JSON (line {k}): {e.msg}; {what}") from None
     recs = recs[:n]
-    if not recs: raise ValueError(f"{p} holds no prompts (one JSON object a line)")
+    if not recs:
+        raise ValueError(f"{p} holds no prompts (one JSON object a line)")
     from functools import cache
+
     tok = cache(lambda: AutoTokenizer.from_pretrained(str(target_dir)))
     return [_ids(r, tok) for r in recs]
 
 # %% ../nbs/72_verify.ipynb #61ff0c72
-def recipe_prompts(recipe, n:int=16, splits=('eval', 'train'))->list: # token-id lists
+def recipe_prompts(recipe, n: int = 16, splits=('eval', 'train')) -> list:  # token-id lists
     "`n` prompts from a recipe's corpus, eval split first: each sample's ids before its first supervised token"
     from eagle3nb.recipe import load_recipe
     from eagle3nb.merge import load_corpus
+
     r = load_recipe(recipe) if not hasattr(recipe, 'data_root') else recipe
-    d = Path(r.data_root)/'corpus'
-    if not any((d/s).exists() for s in splits): raise FileNotFoundError(f"no corpus in {d}: run the merge phase first")
+    d = Path(r.data_root) / 'corpus'
+    if not any((d / s).exists() for s in splits):
+        raise FileNotFoundError(f"no corpus in {d}: run the merge phase first")
     out = []
-    for split in (s for s in splits if (d/s).exists()):
+    for split in (s for s in splits if (d / s).exists()):
         for s in load_corpus(d, split):
             first = next((i for i, m in enumerate(s['loss_mask']) if m), None)
-            if first: out.append(list(s['input_ids'][:first]))
-            if len(out) == n: return out
-    if not out: raise ValueError(f"{d} has no sample with a supervised completion to prompt with")
+            if first:
+                out.append(list(s['input_ids'][:first]))
+            if len(out) == n:
+                return out
+    if not out:
+        raise ValueError(f"{d} has no sample with a supervised completion to prompt with")
     return out
 
 # %% ../nbs/72_verify.ipynb #86b8493a
-def _with_maps(sd:dict, c:DraftConfig)->dict:
-    if 'd2t' not in sd: sd['d2t'] = torch.zeros(c.draft_vocab_size, dtype=torch.long)  # identity: d2t[i] = target id - i
-    if 't2d' not in sd: sd['t2d'] = torch.ones(c.vocab_size, dtype=torch.bool)
+def _with_maps(sd: dict, c: DraftConfig) -> dict:
+    if 'd2t' not in sd:
+        sd['d2t'] = torch.zeros(c.draft_vocab_size, dtype=torch.long)  # identity: d2t[i] = target id - i
+    if 't2d' not in sd:
+        sd['t2d'] = torch.ones(c.vocab_size, dtype=torch.bool)
     return sd
 
-def load_draft(draft_dir, target_dir, checkpoint:bool=True)->tuple: # Eagle3Draft (float32, eval), source ('checkpoint ...' | 'export')
+
+def load_draft(
+    draft_dir, target_dir, checkpoint: bool = True
+) -> tuple:  # Eagle3Draft (float32, eval), source ('checkpoint ...' | 'export')
     "The draft of an export folder as our torch module: its training checkpoint when recorded and present, else the export"
     d = Path(draft_dir)
     from eagle3nb.recipe import read_json
-    again = ("the draft's training record is damaged: export it again "
-             f"(eagle3nb export CHECKPOINT --out {d} --data DATA_ROOT)")
-    rec = read_json(d/'eagle3nb.json', again) if (d/'eagle3nb.json').exists() else {}
+
+    again = (
+        "the draft's training record is damaged: export it again "
+        f"(eagle3nb export CHECKPOINT --out {d} --data DATA_ROOT)"
+    )
+    rec = read_json(d / 'eagle3nb.json', again) if (d / 'eagle3nb.json').exists() else {}
     ck = rec.get('checkpoint')
-    if checkpoint and ck and (Path(ck)/'model.safetensors').exists():
-        sd, dc = read_checkpoint(ck); src = f'checkpoint {ck}'
+    if checkpoint and ck and (Path(ck) / 'model.safetensors').exists():
+        sd, dc = read_checkpoint(ck)
+        src = f'checkpoint {ck}'
     else:
-        cfg = json.loads((d/'config.json').read_text())
-        dc = {f.name: cfg[f.name] for f in fields(DraftConfig) if f.name in cfg}; src = 'export'
+        cfg = json.loads((d / 'config.json').read_text())
+        dc = {f.name: cfg[f.name] for f in fields(DraftConfig) if f.name in cfg}
+        src = 'export'
         dc['arch'] = 'mla' if any('Deepseek' in a for a in cfg.get('architectures') or []) else 'llama'
-        sd = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(d/'model.safetensors')).items()}
+        sd = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(d / 'model.safetensors')).items()}
     c = DraftConfig(**{k: v for k, v in dc.items() if k in {f.name for f in fields(DraftConfig)}})
     m = Eagle3Draft(c, target_tensors(target_dir)['embed'].float())
     m.load_state_dict(_with_maps(sd, c))
@@ -89,95 +118,175 @@ def load_draft(draft_dir, target_dir, checkpoint:bool=True)->tuple: # Eagle3Draf
 
 # %% ../nbs/72_verify.ipynb #12b4e603
 @torch.no_grad()
-def offline_estimate(draft:Eagle3Draft, target_dir, prompts:list, continuations:list, aux_layers:list, k:int=3)->dict:
+def offline_estimate(
+    draft: Eagle3Draft, target_dir, prompts: list, continuations: list, aux_layers: list, k: int = 3
+) -> dict:
     "Simulated accept length of `draft` on the target's own continuations: accept_sim, accept_est, per-step acc"
     from transformers import AutoModelForCausalLM
+
     tgt = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     samples = []
     for p, c in zip(prompts, continuations):
-        ids = torch.tensor([list(p) + list(c)])                              # (1, T)
+        ids = torch.tensor([list(p) + list(c)])  # (1, T)
         o = tgt(ids, output_hidden_states=True)
-        aux = torch.cat([o.hidden_states[i][0] for i in aux_layers], -1)     # (T, 3H)
+        aux = torch.cat([o.hidden_states[i][0] for i in aux_layers], -1)  # (T, 3H)
         mask = (torch.arange(ids.shape[1]) >= len(p)).long()
         samples.append(dict(input_ids=ids[0], loss_mask=mask, aux=aux, target_logits=o.logits[0]))
     m = evaluate(draft, samples, k=k, rule='inference')['all']
-    return dict(accept_sim=m['accept_sim'], accept_est=m['accept_est'], rounds=m['rounds'], acc=[m[f'acc_{i}'] for i in range(k)])
+    return dict(
+        accept_sim=m['accept_sim'],
+        accept_est=m['accept_est'],
+        rounds=m['rounds'],
+        acc=[m[f'acc_{i}'] for i in range(k)],
+    )
 
 # %% ../nbs/72_verify.ipynb #487a87a2
 OFFLINE_MAX_BYTES = 8 << 30  # the offline estimate runs the target in this process: toys and small models only
 
-def verify(draft_dir,                   # exported draft folder
-           target_dir,                  # target model folder
-           prompts:list,                # token-id lists
-           max_tokens:int=64,           # generated tokens per prompt
-           k:int=3,                     # num_speculative_tokens
-           offline:bool=None,           # our offline estimate too; None: when the target's weights are under `OFFLINE_MAX_BYTES`
-           baseline:VllmServer=None,    # a running server of the target alone, to reuse
-           log_dir=None,                # keep the servers' logs here
-           **kw)->dict:                 # more `VllmServer` arguments
+
+def verify(
+    draft_dir,  # exported draft folder
+    target_dir,  # target model folder
+    prompts: list,  # token-id lists
+    max_tokens: int = 64,  # generated tokens per prompt
+    k: int = 3,  # num_speculative_tokens
+    offline: bool = None,  # our offline estimate too; None: when the target's weights are under `OFFLINE_MAX_BYTES`
+    baseline: VllmServer = None,  # a running server of the target alone, to reuse
+    log_dir=None,  # keep the servers' logs here
+    **kw,
+) -> dict:  # more `VllmServer` arguments
     "Serve the draft in vLLM beside the target alone; the figures `--json` writes, plus the continuations"
     r = verify_served(target_dir, draft_dir, prompts, max_tokens, k, baseline=baseline, log_dir=log_dir, **kw)
     r['offline_accept_length'], size = None, sum(f.stat().st_size for f in Path(target_dir).glob('*.safetensors'))
-    if offline is None: offline = size <= OFFLINE_MAX_BYTES
-    if not offline: r['offline_skipped'] = f"not computed: the target's weights are {size / 2**30:.1f} GiB (an HF forward here; the train phase's eval is the offline figure)" if size > OFFLINE_MAX_BYTES else 'not computed (offline=False)'
+    if offline is None:
+        offline = size <= OFFLINE_MAX_BYTES
+    if not offline:
+        r['offline_skipped'] = (
+            f"not computed: the target's weights are {size / 2**30:.1f} GiB (an HF forward here; the train phase's eval is the offline figure)"
+            if size > OFFLINE_MAX_BYTES
+            else 'not computed (offline=False)'
+        )
     if offline and r['loaded']:
-        aux = json.loads((Path(draft_dir)/'config.json').read_text())['eagle_aux_hidden_state_layer_ids']
+        aux = json.loads((Path(draft_dir) / 'config.json').read_text())['eagle_aux_hidden_state_layer_ids']
         dr, src = load_draft(draft_dir, target_dir)
         est = offline_estimate(dr, target_dir, prompts, r['continuations'], aux, k)
         r.update(offline_accept_length=est['accept_sim'], offline=dict(**est, source=src))
     return r
 
 # %% ../nbs/72_verify.ipynb #2677e8e2
-def verify_rows(r:dict)->pd.DataFrame: # columns check, status, detail
+def verify_rows(r: dict) -> pd.DataFrame:  # columns check, status, detail
     "One row per verify check: ok, FAIL or n/a"
     rows = []
     bad = [w for w in r.get('warnings', []) if any(s in w for s in SILENT_SIGNS)]
-    if not r['loaded']: rows.append(('loaded', 'FAIL', f"the engine did not serve the draft: {r['error']}"))
-    else: rows.append(('loaded', 'FAIL' if bad else 'ok', ' | '.join(bad) if bad else
-                       f"ready in {r['ready_s']} s" + (f"; engine warnings: {' | '.join(r['warnings'])}" if r.get('warnings') else '')))
-    if not r['loaded']: return pd.DataFrame(rows + [(c, 'n/a', 'not served') for c in ('greedy_identical', 'acceptance', 'offline')], columns=['check', 'status', 'detail'])
+    if not r['loaded']:
+        rows.append(('loaded', 'FAIL', f"the engine did not serve the draft: {r['error']}"))
+    else:
+        rows.append(
+            (
+                'loaded',
+                'FAIL' if bad else 'ok',
+                ' | '.join(bad)
+                if bad
+                else f"ready in {r['ready_s']} s"
+                + (f"; engine warnings: {' | '.join(r['warnings'])}" if r.get('warnings') else ''),
+            )
+        )
+    if not r['loaded']:
+        return pd.DataFrame(
+            rows + [(c, 'n/a', 'not served') for c in ('greedy_identical', 'acceptance', 'offline')],
+            columns=['check', 'status', 'detail'],
+        )
     n, same = r['n_prompts'], r['greedy_identical']
     diff = [i for i, s in enumerate(r['identical']) if not s]
-    rows.append(('greedy_identical', 'ok' if same == n else 'FAIL', f"{same}/{n} prompts" + (f"; differ: {diff[:10]}" if diff else '')))
+    rows.append(
+        (
+            'greedy_identical',
+            'ok' if same == n else 'FAIL',
+            f"{same}/{n} prompts" + (f"; differ: {diff[:10]}" if diff else ''),
+        )
+    )
     al = r['accept_length']
     rates = ', '.join(f'{x:.2f}' for x in r['rate_per_position'])
     ok = r['drafts'] > 0 and r['accepted'] > 0
-    rows.append(('acceptance', 'ok' if ok else 'FAIL', f"accept length {al:.2f} at k={r['k']} ({r['accepted']}/{r['draft_tokens']} draft tokens "
-                 f"accepted in {r['drafts']} rounds; per position {rates})" if r['drafts'] else 'the engine proposed no drafts'))
+    rows.append(
+        (
+            'acceptance',
+            'ok' if ok else 'FAIL',
+            f"accept length {al:.2f} at k={r['k']} ({r['accepted']}/{r['draft_tokens']} draft tokens "
+            f"accepted in {r['drafts']} rounds; per position {rates})"
+            if r['drafts']
+            else 'the engine proposed no drafts',
+        )
+    )
     off = r.get('offline_accept_length')
-    if off is None: rows.append(('offline', 'n/a', r.get('offline_skipped') or 'not computed'))
+    if off is None:
+        rows.append(('offline', 'n/a', r.get('offline_skipped') or 'not computed'))
     else:
         gap = (al or 1) - off
         fail = al is not None and gap < -0.3 and (al - 1) < 0.75 * (off - 1)
-        rows.append(('offline', 'FAIL' if fail else 'ok', f"served {al:.2f} vs offline {off:.2f} (gap {gap:+.2f}; from the {r['offline']['source']})"))
+        rows.append(
+            (
+                'offline',
+                'FAIL' if fail else 'ok',
+                f"served {al:.2f} vs offline {off:.2f} (gap {gap:+.2f}; from the {r['offline']['source']})",
+            )
+        )
     return pd.DataFrame(rows, columns=['check', 'status', 'detail'])
 
 # %% ../nbs/72_verify.ipynb #7d4bea8d
-JSON_KEYS = ('loaded', 'n_prompts', 'greedy_identical', 'drafts', 'draft_tokens', 'accepted', 'accept_length',
-             'accepted_per_position', 'offline_accept_length')
+JSON_KEYS = (
+    'loaded',
+    'n_prompts',
+    'greedy_identical',
+    'drafts',
+    'draft_tokens',
+    'accepted',
+    'accept_length',
+    'accepted_per_position',
+    'offline_accept_length',
+)
 
-def verify_json(r:dict)->dict: return {k: r.get(k) for k in JSON_KEYS}
 
-def verify_report(df:pd.DataFrame)->str:
+def verify_json(r: dict) -> dict:
+    return {k: r.get(k) for k in JSON_KEYS}
+
+
+def verify_report(df: pd.DataFrame) -> str:
     "Plain text table of the rows and a verdict line"
     w = max(len(c) for c in df.check)
-    lines = [f"{'check':<{w}}  {'status':<6}  detail"] + [f"{c:<{w}}  {s:<6}  {d}" for c, s, d in df.itertuples(index=False)]
+    lines = [f"{'check':<{w}}  {'status':<6}  detail"] + [
+        f"{c:<{w}}  {s:<6}  {d}" for c, s, d in df.itertuples(index=False)
+    ]
     k = int((df.status == 'FAIL').sum())
     return '\n'.join(lines + [f"verify: {k} problem(s)" if k else 'verify: the engine serves this draft'])
 
 # %% ../nbs/72_verify.ipynb #1ddbe756
-def verify_cli(draft, target, prompts=None, recipe=None, n:int=16, max_tokens:int=64, k:int=3, json_out=None,
-               offline:bool=None, engine=None)->int:
+def verify_cli(
+    draft,
+    target,
+    prompts=None,
+    recipe=None,
+    n: int = 16,
+    max_tokens: int = 64,
+    k: int = 3,
+    json_out=None,
+    offline: bool = None,
+    engine=None,
+) -> int:
     "`eagle3nb verify DRAFT --target T`: print the table, write --json; 1 if any check fails"
     from eagle3nb.recipe import atomic_write
+
     for p, what in ((draft, 'draft'), (target, 'target')):
-        if not (Path(p)/'config.json').is_file(): raise FileNotFoundError(f"{what} {p}: no config.json there (an exported draft / a model folder)")
-    if not (prompts or recipe): raise ValueError("give --prompts FILE (JSONL) or --recipe RECIPE (its eval split) to verify on")
+        if not (Path(p) / 'config.json').is_file():
+            raise FileNotFoundError(f"{what} {p}: no config.json there (an exported draft / a model folder)")
+    if not (prompts or recipe):
+        raise ValueError("give --prompts FILE (JSONL) or --recipe RECIPE (its eval split) to verify on")
     ps = read_prompts(prompts, target, n) if prompts else recipe_prompts(recipe, n)
     r = verify(draft, target, ps, max_tokens, k, offline, python=engine)
     df = verify_rows(r)
     print(verify_report(df))
     if json_out:
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        with atomic_write(json_out) as f: f.write(json.dumps(verify_json(r), indent=1) + '\n')  # a fresh temp name
+        with atomic_write(json_out) as f:
+            f.write(json.dumps(verify_json(r), indent=1) + '\n')  # a fresh temp name
     return int((df.status == 'FAIL').any())

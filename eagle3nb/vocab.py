@@ -16,48 +16,60 @@ import torch
 # %% ../nbs/45_vocab.ipynb #f47198d6
 DRAFT_VOCAB = 32_000  # EAGLE-3's usual draft vocabulary size (K)
 
-def _flat(col)->np.ndarray:
+
+def _flat(col) -> np.ndarray:
     "The values of an Arrow list column (chunked or not), flattened"
     chunks = getattr(col, 'chunks', [col])
-    return np.concatenate([c.flatten().to_numpy(zero_copy_only=False) for c in chunks]) if chunks else np.zeros(0, np.int64)
+    return (
+        np.concatenate([c.flatten().to_numpy(zero_copy_only=False) for c in chunks])
+        if chunks
+        else np.zeros(0, np.int64)
+    )
 
-def masked_ids(batch)->np.ndarray: # (n,) token ids under the loss mask
+
+def masked_ids(batch) -> np.ndarray:  # (n,) token ids under the loss mask
     "Supervised token ids of an Arrow batch with `input_ids` and `loss_mask`"
     ids, mask = _flat(batch['input_ids']), _flat(batch['loss_mask'])
     assert len(ids) == len(mask), f'input_ids has {len(ids)} tokens, loss_mask {len(mask)}'
     return ids[mask.astype(bool)]
 
 # %% ../nbs/45_vocab.ipynb #f88117ba
-def count_tokens(ds,                  # `datasets.Dataset` (or anything with `.with_format('arrow').iter`) with input_ids, loss_mask
-                 n_target:int,        # target vocabulary size
-                 batch_size:int=1024, # rows per Arrow batch
-                )->torch.Tensor:      # (n_target,) int64 occurrences of each target id under the loss mask
+def count_tokens(
+    ds,  # `datasets.Dataset` (or anything with `.with_format('arrow').iter`) with input_ids, loss_mask
+    n_target: int,  # target vocabulary size
+    batch_size: int = 1024,  # rows per Arrow batch
+) -> torch.Tensor:  # (n_target,) int64 occurrences of each target id under the loss mask
     "How often each target id is supervised in `ds`"
     counts = np.zeros(n_target, np.int64)
     for batch in ds.with_format('arrow').iter(batch_size=batch_size):
         ids = masked_ids(batch)
         if len(ids) and (ids.max() >= n_target or ids.min() < 0):
-            raise ValueError(f'token id {int(ids.max())} outside the target vocabulary of {n_target}: wrong target or tokenizer?')
+            raise ValueError(
+                f'token id {int(ids.max())} outside the target vocabulary of {n_target}: wrong target or tokenizer?'
+            )
         counts += np.bincount(ids, minlength=n_target)
     return torch.from_numpy(counts)
 
 # %% ../nbs/45_vocab.ipynb #3c3a3926
-def ranking(counts:torch.Tensor)->torch.Tensor: # (V,) target ids, most frequent first
+def ranking(counts: torch.Tensor) -> torch.Tensor:  # (V,) target ids, most frequent first
     "All target ids ordered by (count desc, id asc)"
     c = counts.numpy() if isinstance(counts, torch.Tensor) else np.asarray(counts)
     return torch.from_numpy(np.lexsort((np.arange(len(c)), -c.astype(np.int64))))  # last key is the primary one
 
-def top_k_ids(counts:torch.Tensor, # (V,) occurrences of each target id
-              k:int,               # draft vocabulary size, 0 < k <= V
-             )->torch.Tensor:      # (k,) chosen target ids, ascending
+
+def top_k_ids(
+    counts: torch.Tensor,  # (V,) occurrences of each target id
+    k: int,  # draft vocabulary size, 0 < k <= V
+) -> torch.Tensor:  # (k,) chosen target ids, ascending
     "Target ids of the `k` most frequent tokens; ties go to the lower id"
     assert counts.ndim == 1 and 0 < k <= len(counts), f'need 0 < k <= {len(counts)}, got k={k}'
     return ranking(counts)[:k].sort().values
 
 # %% ../nbs/45_vocab.ipynb #26414ff5
-def vocab_maps(ids:torch.Tensor, # (k,) chosen target ids, ascending, distinct
-               n_target:int,     # target vocabulary size
-              )->tuple:          # d2t (k,) int64 offsets, t2d (n_target,) bool
+def vocab_maps(
+    ids: torch.Tensor,  # (k,) chosen target ids, ascending, distinct
+    n_target: int,  # target vocabulary size
+) -> tuple:  # d2t (k,) int64 offsets, t2d (n_target,) bool
     "Draft-to-target offsets and the target-side membership mask of `ids`"
     ids = torch.as_tensor(ids, dtype=torch.int64)
     assert bool((ids[1:] > ids[:-1]).all()), 'ids must be ascending and distinct'
@@ -66,167 +78,233 @@ def vocab_maps(ids:torch.Tensor, # (k,) chosen target ids, ascending, distinct
     t2d[ids] = True
     return d2t, t2d
 
-def check_maps(d2t:torch.Tensor, t2d:torch.Tensor):
+
+def check_maps(d2t: torch.Tensor, t2d: torch.Tensor):
     "Raise unless `d2t` and `t2d` describe the same ascending set of target ids"
-    if d2t.dtype != torch.int64 or t2d.dtype != torch.bool: raise ValueError(f'd2t must be int64 and t2d bool, got {d2t.dtype}, {t2d.dtype}')
-    if int(t2d.sum()) != len(d2t): raise ValueError(f't2d marks {int(t2d.sum())} ids, d2t has {len(d2t)}')
-    if not torch.equal(torch.arange(len(d2t)) + d2t, t2d.nonzero().flatten()): raise ValueError('d2t and t2d disagree on the chosen ids')
+    if d2t.dtype != torch.int64 or t2d.dtype != torch.bool:
+        raise ValueError(f'd2t must be int64 and t2d bool, got {d2t.dtype}, {t2d.dtype}')
+    if int(t2d.sum()) != len(d2t):
+        raise ValueError(f't2d marks {int(t2d.sum())} ids, d2t has {len(d2t)}')
+    if not torch.equal(torch.arange(len(d2t)) + d2t, t2d.nonzero().flatten()):
+        raise ValueError('d2t and t2d disagree on the chosen ids')
 
 # %% ../nbs/45_vocab.ipynb #15960fb4
-def special_token_ids(tok, tokens:list)->dict: # token -> id, for those `tok` encodes as a single id
+def special_token_ids(tok, tokens: list) -> dict:  # token -> id, for those `tok` encodes as a single id
     "Ids of `tokens` that are single tokens of `tok`"
     out = {}
     for t in tokens:
         i = tok.convert_tokens_to_ids(t)
-        if isinstance(i, int) and i >= 0 and tok.convert_ids_to_tokens(i) == t: out[t] = i
+        if isinstance(i, int) and i >= 0 and tok.convert_ids_to_tokens(i) == t:
+            out[t] = i
     return out
 
 # %% ../nbs/45_vocab.ipynb #bedd6a7e
-def force_include(order:torch.Tensor, # (V,) target ids by rank (see `ranking`)
-                  k:int,              # draft vocabulary size
-                  required,           # target ids that must be in the draft vocabulary
-                 )->tuple:            # ids (k,) ascending, forced ids, displaced ids
+def force_include(
+    order: torch.Tensor,  # (V,) target ids by rank (see `ranking`)
+    k: int,  # draft vocabulary size
+    required,  # target ids that must be in the draft vocabulary
+) -> tuple:  # ids (k,) ascending, forced ids, displaced ids
     "Top `k` of `order`, with each missing `required` id replacing the lowest-ranked chosen id that is not required"
     req = sorted(set(int(i) for i in required))
-    if len(req) > k: raise ValueError(f'{len(req)} special tokens must be in the draft vocabulary but K is only {k}; raise draft_vocab')
+    if len(req) > k:
+        raise ValueError(
+            f'{len(req)} special tokens must be in the draft vocabulary but K is only {k}; raise draft_vocab'
+        )
     chosen = [int(i) for i in order[:k]]
     have = set(chosen)
     forced = [i for i in req if i not in have]
     removable = [i for i in reversed(chosen) if i not in set(req)]  # lowest rank first
-    displaced = removable[:len(forced)]
+    displaced = removable[: len(forced)]
     ids = sorted((have - set(displaced)) | set(forced))
     return torch.tensor(ids, dtype=torch.int64), forced, displaced
 
 # %% ../nbs/45_vocab.ipynb #67817857
-def coverage(counts:torch.Tensor)->torch.Tensor: # (V,) share of occurrences covered by the top-j tokens, j = 1..V
+def coverage(counts: torch.Tensor) -> torch.Tensor:  # (V,) share of occurrences covered by the top-j tokens, j = 1..V
     "Cumulative share of all occurrences covered by the most frequent tokens"
     c = counts.sort(descending=True).values.double()
     return c.cumsum(0) / c.sum().clamp(min=1)
 
-def covered(counts:torch.Tensor, ids:torch.Tensor)->float:
+
+def covered(counts: torch.Tensor, ids: torch.Tensor) -> float:
     "Share of occurrences whose token is in `ids`"
     tot = int(counts.sum())
     return float(counts[ids].sum()) / tot if tot else 0.0
 
 # %% ../nbs/45_vocab.ipynb #452a9d5b
-def plot_coverage(counts:torch.Tensor, k:int, ax=None):
+def plot_coverage(counts: torch.Tensor, k: int, ax=None):
     "Coverage curve with the chosen draft size `k` marked"
     import matplotlib.pyplot as plt  # here: the CLI imports this module and need not plot
+
     cov = coverage(counts)
     ax = ax or plt.subplots(figsize=(5, 3))[1]
-    ax.plot(range(1, len(cov)+1), cov); ax.axvline(k, ls='--', c='gray'); ax.set_xscale('log')
-    ax.set(xlabel='draft vocab size K', ylabel='share of supervised tokens', title=f'K={k}: {cov[k-1]:.1%} covered', ylim=(0, 1.02))
+    ax.plot(range(1, len(cov) + 1), cov)
+    ax.axvline(k, ls='--', c='gray')
+    ax.set_xscale('log')
+    ax.set(
+        xlabel='draft vocab size K',
+        ylabel='share of supervised tokens',
+        title=f'K={k}: {cov[k - 1]:.1%} covered',
+        ylim=(0, 1.02),
+    )
     return ax
 
 # %% ../nbs/45_vocab.ipynb #b110dec3
-def build_vocab(counts:torch.Tensor, # (V,) supervised occurrences per target id
-                k:int=DRAFT_VOCAB,   # draft vocabulary size; capped at V
-                special:dict=None,   # token -> target id of the family's special tokens
-               )->dict:              # d2t, t2d, ids and the summary fields
+def build_vocab(
+    counts: torch.Tensor,  # (V,) supervised occurrences per target id
+    k: int = DRAFT_VOCAB,  # draft vocabulary size; capped at V
+    special: dict = None,  # token -> target id of the family's special tokens
+) -> dict:  # d2t, t2d, ids and the summary fields
     "Draft vocabulary of size min(k, V) with every supervised special token forced in"
     n_target, total = len(counts), int(counts.sum())
-    if total == 0: raise ValueError('no supervised tokens: the train split is empty or has no loss-mask positions; run merge first')
-    k = min(int(k), n_target); order = ranking(counts)
-    rank = torch.empty_like(order); rank[order] = torch.arange(n_target)
+    if total == 0:
+        raise ValueError(
+            'no supervised tokens: the train split is empty or has no loss-mask positions; run merge first'
+        )
+    k = min(int(k), n_target)
+    order = ranking(counts)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(n_target)
     used = {t: i for t, i in (special or {}).items() if counts[i] > 0}
     ids, forced, displaced = force_include(order, k, used.values())
     d2t, t2d = vocab_maps(ids, n_target)
     name = {i: t for t, i in used.items()}
-    return dict(d2t=d2t, t2d=t2d, ids=ids, draft_vocab=k, target_vocab=n_target, supervised_tokens=total,
-                distinct_tokens=int((counts > 0).sum()), coverage=covered(counts, ids),
-                coverage_top_k=float(coverage(counts)[k-1]),
-                special_used={t: dict(id=i, count=int(counts[i]), rank=int(rank[i]) + 1) for t, i in used.items()},
-                special_outside_top_k=[name[i] for i in forced], forced=forced, displaced=[int(i) for i in displaced],
-                special_outside=[t for t, i in used.items() if not t2d[i]])
+    return dict(
+        d2t=d2t,
+        t2d=t2d,
+        ids=ids,
+        draft_vocab=k,
+        target_vocab=n_target,
+        supervised_tokens=total,
+        distinct_tokens=int((counts > 0).sum()),
+        coverage=covered(counts, ids),
+        coverage_top_k=float(coverage(counts)[k - 1]),
+        special_used={t: dict(id=i, count=int(counts[i]), rank=int(rank[i]) + 1) for t, i in used.items()},
+        special_outside_top_k=[name[i] for i in forced],
+        forced=forced,
+        displaced=[int(i) for i in displaced],
+        special_outside=[t for t, i in used.items() if not t2d[i]],
+    )
 
 # %% ../nbs/45_vocab.ipynb #fc30894b
 from .recipe import claim_output, publishing  # the vocab folder is replaced only when vocab wrote it
 
 _TENSORS = ('d2t', 't2d', 'ids')
 
-def save_vocab(out_dir, v:dict, counts:torch.Tensor, meta:dict=None)->Path: # out_dir
+
+def save_vocab(out_dir, v: dict, counts: torch.Tensor, meta: dict = None) -> Path:  # out_dir
     "Write `build_vocab`'s result `v` to `out_dir` atomically: d2t.pt, t2d.pt, vocab.safetensors, counts.pt, vocab.json"
     from safetensors.torch import save_file
+
     out = claim_output(out_dir, 'vocab')
     with publishing(out, 'vocab') as tmp:
-        for n in ('d2t', 't2d'): torch.save(v[n], tmp/f'{n}.pt')
-        save_file(dict(d2t=v['d2t'], t2d=v['t2d']), str(tmp/'vocab.safetensors'))
-        torch.save(counts, tmp/'counts.pt')
+        for n in ('d2t', 't2d'):
+            torch.save(v[n], tmp / f'{n}.pt')
+        save_file(dict(d2t=v['d2t'], t2d=v['t2d']), str(tmp / 'vocab.safetensors'))
+        torch.save(counts, tmp / 'counts.pt')
         summary = {k: x for k, x in v.items() if k not in _TENSORS}
-        (tmp/'vocab.json').write_text(json.dumps({**summary, **(meta or {})}, indent=1))
+        (tmp / 'vocab.json').write_text(json.dumps({**summary, **(meta or {})}, indent=1))
     return out
 
-def load_vocab(out_dir)->tuple: # d2t, t2d, summary
+
+def load_vocab(out_dir) -> tuple:  # d2t, t2d, summary
     "The maps and summary in `out_dir`, checked against each other"
     out = Path(out_dir)
-    d2t, t2d = torch.load(out/'d2t.pt'), torch.load(out/'t2d.pt')
+    d2t, t2d = torch.load(out / 'd2t.pt'), torch.load(out / 't2d.pt')
     check_maps(d2t, t2d)
-    return d2t, t2d, json.loads((out/'vocab.json').read_text())
+    return d2t, t2d, json.loads((out / 'vocab.json').read_text())
 
 # %% ../nbs/45_vocab.ipynb #7c9fe84f
-def target_vocab_size(model_dir)->int:
+def target_vocab_size(model_dir) -> int:
     "Rows of the target's embedding (config `vocab_size`)"
     from transformers import AutoConfig
+
     return int(AutoConfig.from_pretrained(model_dir).get_text_config().vocab_size)
 
-def family_special_ids(tok)->dict: # token -> id
+
+def family_special_ids(tok) -> dict:  # token -> id
     "The target family's special tokens (see `target.FAMILY_TOKENS`) and its EOS token, those `tok` has as single tokens"
     from .target import FAMILY_TOKENS, template_family
+
     toks = FAMILY_TOKENS.get(template_family(tok.chat_template), []) + [t for t in [tok.eos_token] if t]
     return special_token_ids(tok, list(dict.fromkeys(toks)))
 
-def vocab_params(r)->dict:
+
+def vocab_params(r) -> dict:
     "The vocab phase's parameters from recipe `r` (`phases.vocab`), with defaults"
     p = {'draft_vocab': DRAFT_VOCAB, **r.phases.get('vocab', {})}
     return dict(draft_vocab=int(p['draft_vocab']))
 
 # %% ../nbs/45_vocab.ipynb #bd1a06af
-def _target_dir(r)->str:
+def _target_dir(r) -> str:
     from .toy import ensure_toy
+
     return str(ensure_toy(r.target.toy, r.target.model)) if r.target.toy else r.target.model
 
-def vocab_recipe(r,                  # resolved recipe (see `recipe.load_recipe`)
-                 draft_vocab:int=None, # K; default the recipe's `phases.vocab.draft_vocab`, else 32000
-                 force:bool=False,   # recount even when vocab.json matches
-                )->dict:             # the vocab.json summary
+
+def vocab_recipe(
+    r,  # resolved recipe (see `recipe.load_recipe`)
+    draft_vocab: int = None,  # K; default the recipe's `phases.vocab.draft_vocab`, else 32000
+    force: bool = False,  # recount even when vocab.json matches
+) -> dict:  # the vocab.json summary
     "Choose the draft vocabulary from the corpus train split of recipe `r` into `<data_root>/vocab/`"
     from datasets import load_from_disk
-    root = Path(r.data_root); corpus, out = root/'corpus', root/'vocab'
-    if not (corpus/'corpus.json').exists(): raise FileNotFoundError(f'{corpus}: no corpus.json; run the merge phase (40_merge) first')
+
+    root = Path(r.data_root)
+    corpus, out = root / 'corpus', root / 'vocab'
+    if not (corpus / 'corpus.json').exists():
+        raise FileNotFoundError(f'{corpus}: no corpus.json; run the merge phase (40_merge) first')
     claim_output(out, 'vocab')  # before the work: a folder vocab did not write is refused at once
     k = int(draft_vocab or vocab_params(r)['draft_vocab'])
     model = _target_dir(r)
     from eagle3nb.recipe import read_json
-    cm = read_json(corpus/'corpus.json',
-                   'the corpus manifest is damaged: run `eagle3nb merge RECIPE --force` to write the corpus again')
+
+    cm = read_json(
+        corpus / 'corpus.json',
+        'the corpus manifest is damaged: run `eagle3nb merge RECIPE --force` to write the corpus again',
+    )
     params = dict(draft_vocab=k, corpus=cm.get('fingerprint'), target=str(model))
     again = 'the vocab summary is damaged: run `eagle3nb vocab RECIPE --force` to count again'
-    if not force and (out/'vocab.json').exists() and (s := read_json(out/'vocab.json', again)).get('params') == params:
+    if (
+        not force
+        and (out / 'vocab.json').exists()
+        and (s := read_json(out / 'vocab.json', again)).get('params') == params
+    ):
         return s
     from .render import load_tokenizer
+
     t0, n_target = time.time(), target_vocab_size(model)
-    counts = count_tokens(load_from_disk(str(corpus/'train')), n_target)
+    counts = count_tokens(load_from_disk(str(corpus / 'train')), n_target)
     v = build_vocab(counts, k, family_special_ids(load_tokenizer(model)))
     save_vocab(out, v, counts, dict(params=params, seconds=round(time.time() - t0, 3)))
     return load_vocab(out)[2]
 
 # %% ../nbs/45_vocab.ipynb #a7258002
-def vocab_summary(s:dict)->str:
+def vocab_summary(s: dict) -> str:
     "Lines for a person: K, coverage, special tokens"
-    lines = [f"draft vocab K={s['draft_vocab']} of {s['target_vocab']} target ids; {s['supervised_tokens']:,} supervised tokens, "
-             f"{s['distinct_tokens']:,} distinct", f"coverage at K: {s['coverage']:.2%} (top-K by count: {s['coverage_top_k']:.2%})",
-             f"special tokens used in training: {', '.join(s['special_used']) or 'none'}"]
-    if s['forced']: lines.append(f"forced in (ranked outside the top K): {', '.join(s['special_outside_top_k'])}; displaced ids {s['displaced']}")
+    lines = [
+        f"draft vocab K={s['draft_vocab']} of {s['target_vocab']} target ids; {s['supervised_tokens']:,} supervised tokens, "
+        f"{s['distinct_tokens']:,} distinct",
+        f"coverage at K: {s['coverage']:.2%} (top-K by count: {s['coverage_top_k']:.2%})",
+        f"special tokens used in training: {', '.join(s['special_used']) or 'none'}",
+    ]
+    if s['forced']:
+        lines.append(
+            f"forced in (ranked outside the top K): {', '.join(s['special_outside_top_k'])}; displaced ids {s['displaced']}"
+        )
     lines.append(f"special tokens outside the draft vocab: {', '.join(s['special_outside']) or 'none'}")
     return '\n'.join(lines)
 
-def vocab_cli(recipe:str,          # recipe YAML file
-              draft_vocab:int=None, # K; default the recipe's phases.vocab.draft_vocab, else 32000
-              force:bool=False,    # recount even when vocab.json matches
-             )->dict:              # the vocab.json summary
+
+def vocab_cli(
+    recipe: str,  # recipe YAML file
+    draft_vocab: int = None,  # K; default the recipe's phases.vocab.draft_vocab, else 32000
+    force: bool = False,  # recount even when vocab.json matches
+) -> dict:  # the vocab.json summary
     "`eagle3nb vocab RECIPE`: choose the draft vocabulary on CPU and print the summary"
     from .recipe import load_recipe
+
     r = load_recipe(recipe)
     s = vocab_recipe(r, draft_vocab, force)
-    print(vocab_summary(s)); print(f"wrote {Path(r.data_root)/'vocab'}")
+    print(vocab_summary(s))
+    print(f"wrote {Path(r.data_root) / 'vocab'}")
     return s

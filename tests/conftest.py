@@ -1,9 +1,10 @@
 "Shared pytest fixtures: the kimi-tiny toy target, and one `transformers serve` on it for the whole session"
+
 import os
 import pytest
 
-os.environ.setdefault('HF_HUB_OFFLINE', '1')    # tests never touch the Hub
-os.environ.setdefault('OMP_NUM_THREADS', '1')   # the server and the test process share few cores
+os.environ.setdefault('HF_HUB_OFFLINE', '1')  # tests never touch the Hub
+os.environ.setdefault('OMP_NUM_THREADS', '1')  # the server and the test process share few cores
 os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
 
 
@@ -11,12 +12,14 @@ os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
 def kimi_tiny(tmp_path_factory):
     "Path of a freshly built kimi-tiny toy target (random DeepseekV3 + Kimi-K2 tokenizer and chat template)"
     from eagle3nb.toy import ensure_toy
-    return ensure_toy('kimi-tiny', out=tmp_path_factory.mktemp('toy')/'kimi-tiny')
+
+    return ensure_toy('kimi-tiny', out=tmp_path_factory.mktemp('toy') / 'kimi-tiny')
 
 
 @pytest.fixture(scope='session')
 def toy_server(kimi_tiny, tmp_path_factory):
     "A running `LocalServer` on kimi-tiny (loopback, free port), stopped when the session ends"
     from eagle3nb.server import LocalServer
-    with LocalServer(kimi_tiny, log_path=tmp_path_factory.mktemp('serve')/'server.log') as srv:
+
+    with LocalServer(kimi_tiny, log_path=tmp_path_factory.mktemp('serve') / 'server.log') as srv:
         yield srv

@@ -1,61 +1,95 @@
 "The whole demo end to end, as `make demo` runs it: every phase, export, a passing doctor, a plan, the summary table"
+
 import json, os, subprocess, sys, uuid, shutil
 from pathlib import Path
 import pytest, yaml
 from eagle3nb.toy import toy_dir
 
 ROOT = Path(__file__).resolve().parent.parent
-EAGLE3NB = str(Path(sys.executable).parent/'eagle3nb')
+EAGLE3NB = str(Path(sys.executable).parent / 'eagle3nb')
 
 
 @pytest.fixture
 def run_id():
     rid = f'pytest-demo-{uuid.uuid4().hex[:8]}'
     yield rid
-    shutil.rmtree(ROOT/'papermill_runs'/rid, ignore_errors=True)
+    shutil.rmtree(ROOT / 'papermill_runs' / rid, ignore_errors=True)
 
 
 def test_demo_end_to_end(tmp_path, run_id):
     "recipes/demo.yaml with its data and catalog moved to a temp dir, its trained toy from the toy cache; all else as shipped"
-    r = yaml.safe_load((ROOT/'recipes'/'demo.yaml').read_text())
-    r.update(data_root=str(tmp_path/'data'), catalog=str(tmp_path/'catalog.duckdb'))
-    r['target']['model'] = str(toy_dir(r['target']['toy']))  # built once per machine (minutes), as 02_toy's test builds it
-    (tmp_path/'demo.yaml').write_text(yaml.safe_dump(r))
-    p = subprocess.run([EAGLE3NB, 'run', str(tmp_path/'demo.yaml'), '--run-id', run_id], cwd=ROOT, capture_output=True, text=True,
-                       timeout=900, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    r = yaml.safe_load((ROOT / 'recipes' / 'demo.yaml').read_text())
+    r.update(data_root=str(tmp_path / 'data'), catalog=str(tmp_path / 'catalog.duckdb'))
+    r['target']['model'] = str(
+        toy_dir(r['target']['toy'])
+    )  # built once per machine (minutes), as 02_toy's test builds it
+    (tmp_path / 'demo.yaml').write_text(yaml.safe_dump(r))
+    p = subprocess.run(
+        [EAGLE3NB, 'run', str(tmp_path / 'demo.yaml'), '--run-id', run_id],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, 'OMP_NUM_THREADS': '1'},
+    )
     assert p.returncode == 0, p.stderr[-4000:]
-    rd = ROOT/'papermill_runs'/run_id
-    phases = sorted(q.stem for q in (ROOT/'nbs'/'phases').glob('[0-9]*_*.ipynb'))
+    rd = ROOT / 'papermill_runs' / run_id
+    phases = sorted(q.stem for q in (ROOT / 'nbs' / 'phases').glob('[0-9]*_*.ipynb'))
     assert {'70_export', '71_doctor', '80_serve_bench', '90_plan'} <= set(phases)
-    state = json.loads((rd/'run.json').read_text())['phases']
-    assert [s for s in phases if state[s]['status'] == 'completed'] == phases and all((rd/f'{s}.ipynb').exists() for s in phases)
+    state = json.loads((rd / 'run.json').read_text())['phases']
+    assert [s for s in phases if state[s]['status'] == 'completed'] == phases and all(
+        (rd / f'{s}.ipynb').exists() for s in phases
+    )
     # the export, with its training record, at data/<recipe>/export/
-    ex = tmp_path/'data'/'export'
-    assert sorted(q.name for q in ex.iterdir()) == ['.eagle3nb-output.json', 'config.json', 'eagle3nb.json', 'model.safetensors']
-    assert json.loads((ex/'config.json').read_text())['architectures'] == ['LlamaForCausalLMEagle3']
+    ex = tmp_path / 'data' / 'export'
+    assert sorted(q.name for q in ex.iterdir()) == [
+        '.eagle3nb-output.json',
+        'config.json',
+        'eagle3nb.json',
+        'model.safetensors',
+    ]
+    assert json.loads((ex / 'config.json').read_text())['architectures'] == ['LlamaForCausalLMEagle3']
     # doctor passed it, against the launch commands the export phase wrote
-    doc = json.loads((rd/'doctor.json').read_text())
+    doc = json.loads((rd / 'doctor.json').read_text())
     assert doc['passed'] is True and not doc['problems']
-    assert (rd/'launch_vllm.sh').exists() and '"method": "eagle3"' in (rd/'launch_vllm.sh').read_text()
+    assert (rd / 'launch_vllm.sh').exists() and '"method": "eagle3"' in (rd / 'launch_vllm.sh').read_text()
     # the demo's draft has fc_norm, which SGLang's llama_eagle3.py ignores: no SGLang command, and the phase says why
-    assert not (rd/'launch_sglang.sh').exists() and "llama_eagle3.py (03d5a77) reads no EAGLE-3.1 flag" in (rd/'70_export.ipynb').read_text()
+    assert (
+        not (rd / 'launch_sglang.sh').exists()
+        and "llama_eagle3.py (03d5a77) reads no EAGLE-3.1 flag" in (rd / '70_export.ipynb').read_text()
+    )
     # a plan, and the last output is the summary table with every phase in it
-    plan = Path(json.loads((rd/'plan.json').read_text())['path'])
+    plan = Path(json.loads((rd / 'plan.json').read_text())['path'])
     assert plan.name.startswith('train_plan_v') and plan.exists() and '## Commands' in plan.read_text()
     last = p.stdout.strip().splitlines()
-    table = last[-len(phases):]
-    assert [l.split()[0] for l in table] == phases and all(l.split()[1] == 'completed' for l in table), '\n'.join(last[-20:])
-    assert 'all checks passed' in p.stdout and (rd/'summary.md').exists()
+    table = last[-len(phases) :]
+    assert [l.split()[0] for l in table] == phases and all(l.split()[1] == 'completed' for l in table), '\n'.join(
+        last[-20:]
+    )
+    assert 'all checks passed' in p.stdout and (rd / 'summary.md').exists()
     # the target was served by vLLM (the engine is installed here), and nothing of it is left running
-    assert 'serving the target locally with vLLM' in p.stderr and 'vllm' in (rd/'server.log').read_text().lower()
-    assert subprocess.run(['pgrep', '-f', f"api_server --model {Path(r['target']['model']).resolve()}"], capture_output=True).returncode == 1
+    assert 'serving the target locally with vLLM' in p.stderr and 'vllm' in (rd / 'server.log').read_text().lower()
+    assert (
+        subprocess.run(
+            ['pgrep', '-f', f"api_server --model {Path(r['target']['model']).resolve()}"], capture_output=True
+        ).returncode
+        == 1
+    )
     # the goal: vLLM accepts the demo's draft on held-out prompts, served accept length >= 2 within 10% of the offline estimate
-    v = json.loads((rd/'verify.json').read_text())
+    v = json.loads((rd / 'verify.json').read_text())
     assert v['loaded'] and v['greedy_identical'] == v['n_prompts'] == 8, v
-    assert v['accept_length'] >= 2.0 and abs(v['accept_length'] - v['offline_accept_length']) <= 0.1 * v['offline_accept_length'], v
+    assert (
+        v['accept_length'] >= 2.0
+        and abs(v['accept_length'] - v['offline_accept_length']) <= 0.1 * v['offline_accept_length']
+    ), v
     assert v['distinct_tokens'] / v['total_tokens'] > 0.15, v  # not a 1-2 token loop
     # serve-bench measured the same draft in vLLM on verify's prompts, the run's server as its baseline, and agrees with verify
-    sb = json.loads((rd/'serve_bench.json').read_text())
-    assert sb['engine'] == 'vllm' and sb['baseline_reused'] and not sb['plumbing_check'] and sb['agreement']['same_prompts'], sb.get('agreement')
+    sb = json.loads((rd / 'serve_bench.json').read_text())
+    assert (
+        sb['engine'] == 'vllm'
+        and sb['baseline_reused']
+        and not sb['plumbing_check']
+        and sb['agreement']['same_prompts']
+    ), sb.get('agreement')
     assert sb['agreement']['max_gap'] <= 0.05 * v['accept_length'], sb['agreement']
     assert 'no guide to GPU speed-up' in sb['note']

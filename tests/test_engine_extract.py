@@ -5,6 +5,7 @@ the same metadata and catalog index; and a run killed with SIGKILL mid-way resum
 Two engine servers in all, one at a time: qwen3-tiny shared by the module (a recipe with `target.endpoints`), kimi-tiny
 (MLA) launched by `extract_recipe_engine` itself.
 """
+
 import json, os, random, signal, subprocess, sys, time
 from collections import Counter
 from pathlib import Path
@@ -20,8 +21,10 @@ from eagle3nb.store import HiddenStates, read_index, read_meta, shard_files, val
 from eagle3nb.target import target_summary
 from eagle3nb.toy import ensure_toy
 
-pytestmark = pytest.mark.skipif(not engine_available() and not os.environ.get('EAGLE3NB_REQUIRE_ENGINE'),
-                                reason='no vLLM engine: run `make engine` (make test builds it and sets EAGLE3NB_REQUIRE_ENGINE=1)')
+pytestmark = pytest.mark.skipif(
+    not engine_available() and not os.environ.get('EAGLE3NB_REQUIRE_ENGINE'),
+    reason='no vLLM engine: run `make engine` (make test builds it and sets EAGLE3NB_REQUIRE_ENGINE=1)',
+)
 
 
 # vLLM vs HF, both float32, beyond rounding to the stored dtype: the max abs over every stored value, as measured here
@@ -30,20 +33,36 @@ pytestmark = pytest.mark.skipif(not engine_available() and not os.environ.get('E
 QWEN3_TOL, KIMI_TOL = 2e-3, 1.0
 
 
-def corpus(root:Path, vocab:int, n:int, lo:int, hi:int, seed:int=0):
+def corpus(root: Path, vocab: int, n: int, lo: int, hi: int, seed: int = 0):
     "A merged-corpus train split of `n` random-token samples of lengths in [lo, hi]"
     g = random.Random(seed)
     rows = []
     for i in range(n):
         L = g.randint(lo, hi)
-        rows.append(dict(sample_id=f'x{seed}-{i:04d}', input_ids=[g.randrange(10, vocab - 10) for _ in range(L)],
-                         loss_mask=[int(j >= L // 3) for j in range(L)], spans=[], dataset='syn'))
-    Dataset.from_list(rows).save_to_disk(str(root/'corpus'/'train'))
+        rows.append(
+            dict(
+                sample_id=f'x{seed}-{i:04d}',
+                input_ids=[g.randrange(10, vocab - 10) for _ in range(L)],
+                loss_mask=[int(j >= L // 3) for j in range(L)],
+                spans=[],
+                dataset='syn',
+            )
+        )
+    Dataset.from_list(rows).save_to_disk(str(root / 'corpus' / 'train'))
     return root
 
 
-def recipe_for(tmp:Path, toy:str, **target):
-    r = resolve(parse_recipe(dict(name='e', target=dict(toy=toy, **target), data_root=str(tmp/'data'), catalog=str(tmp/'catalog.duckdb'))))
+def recipe_for(tmp: Path, toy: str, **target):
+    r = resolve(
+        parse_recipe(
+            dict(
+                name='e',
+                target=dict(toy=toy, **target),
+                data_root=str(tmp / 'data'),
+                catalog=str(tmp / 'catalog.duckdb'),
+            )
+        )
+    )
     r.target.model = str(ensure_toy(toy))
     return r
 
@@ -51,11 +70,19 @@ def recipe_for(tmp:Path, toy:str, **target):
 def hf_store(model_dir, ds, out, mode, aux):
     "The HF path's store of `ds` (float32 forward, as the engine's on CPU)"
     m = load_target(model_dir, dtype=torch.float32)
-    extract(m, ds, out, aux_layers=aux, mode=mode, target=target_id(model_dir), template_sha256=template_sha256(load_tokenizer(model_dir)))
+    extract(
+        m,
+        ds,
+        out,
+        aux_layers=aux,
+        mode=mode,
+        target=target_id(model_dir),
+        template_sha256=template_sha256(load_tokenizer(model_dir)),
+    )
     return out
 
 
-def compare(eng_dir, hf_dir, n_aux:int, tol:float)->dict:
+def compare(eng_dir, hf_dir, n_aux: int, tol: float) -> dict:
     """Sample-by-sample differences of two stores. `*_excess`: how far |engine - hf| goes beyond what rounding both to
     the stored dtype can make of equal values (one bf16 step at the larger magnitude; for fp8 aux two e4m3 steps,
     2^-3 |x| + 2^-9 of the row's max): what is left is the engine's own float32 difference. `*_tokens_beyond`: tokens
@@ -69,15 +96,24 @@ def compare(eng_dir, hf_dir, n_aux:int, tol:float)->dict:
         assert a['input_ids'].tolist() == b['input_ids'].tolist() and a['loss_mask'].tolist() == b['loss_mask'].tolist()
         for k in ('aux', 'final') if 'final' in a else ('aux',):
             d, ref = (a[k].float() - b[k].float()).abs(), torch.maximum(a[k].float().abs(), b[k].float().abs())
-            if 'final' in a: room = torch.exp2(torch.floor(torch.log2(ref.clamp(min=1e-30))) - 7)  # one bf16 step at |hf|
+            if 'final' in a:
+                room = torch.exp2(torch.floor(torch.log2(ref.clamp(min=1e-30))) - 7)  # one bf16 step at |hf|
             else:
-                T = len(ref); rmax = ref.view(T, n_aux, -1).amax(-1, keepdim=True).expand(T, n_aux, ref.shape[-1] // n_aux).reshape(T, -1)
+                T = len(ref)
+                rmax = (
+                    ref.view(T, n_aux, -1)
+                    .amax(-1, keepdim=True)
+                    .expand(T, n_aux, ref.shape[-1] // n_aux)
+                    .reshape(T, -1)
+                )
                 room = 2**-3 * ref + 2**-9 * rmax
             out[f'{k}_max_abs'] = max(out[f'{k}_max_abs'], d.max().item())
             out[f'{k}_excess'] = max(out[f'{k}_excess'], (d - room).max().item())
             out[f'{k}_tokens_beyond'] += int(((d - room) > tol).any(-1).sum())
         if 'topk_p' in a:
-            out['topk_p_max_abs'] = max(out['topk_p_max_abs'], (a['topk_p'].float() - b['topk_p'].float()).abs().max().item())
+            out['topk_p_max_abs'] = max(
+                out['topk_p_max_abs'], (a['topk_p'].float() - b['topk_p'].float()).abs().max().item()
+            )
             out['top1_same'] += int((a['topk_idx'][:, 0] == b['topk_idx'][:, 0]).sum())
         out['tokens'] += len(a['input_ids'])
     return dict(out)
@@ -87,8 +123,10 @@ def compare(eng_dir, hf_dir, n_aux:int, tol:float)->dict:
 def qwen3(tmp_path_factory):
     "One qwen3-tiny extraction server shared by the module, its spool, and a recipe that names it as the endpoint"
     tmp = tmp_path_factory.mktemp('ex-qwen3')
-    target = ensure_toy('qwen3-tiny'); ts = target_summary(target)
-    spool = tmp/'engine'/'spool'; spool.mkdir(parents=True)
+    target = ensure_toy('qwen3-tiny')
+    ts = target_summary(target)
+    spool = tmp / 'engine' / 'spool'
+    spool.mkdir(parents=True)
     with extract_server(target, spool, ts['aux_layers'] + [ts['num_hidden_layers']]) as srv:
         yield dict(srv=srv, spool=spool, target=target, ts=ts, tmp=tmp)
     assert not any(spool.glob('s-*.safetensors'))  # every spool file of ours was repacked and dropped
@@ -97,38 +135,54 @@ def qwen3(tmp_path_factory):
 def test_qwen3_engine_store_equals_hf_store(qwen3):
     """bf16 and compact stores through vLLM match the HF path's sample by sample; same metadata; indexed in the catalog.
     Both modes come from one request per sample, also when only one store lacks a sample"""
-    tmp, ts = qwen3['tmp']/'eq', qwen3['ts']
+    tmp, ts = qwen3['tmp'] / 'eq', qwen3['ts']
     r = recipe_for(tmp, 'qwen3-tiny', endpoints=[qwen3['srv'].base_url])
     r.phases = dict(extract=dict(spool=str(qwen3['spool']), concurrency=4))
     corpus(Path(r.data_root), ts['vocab_size'], 24, 5, 120)
     t0 = time.perf_counter()
     rows = extract_recipe_engine(r, modes='bf16,compact', splits='train', progress=False, log=lambda *a: None)
-    print(f"qwen3 engine extraction: {[(x['mode'], x['new_samples'], x['tokens'], x['tokens_per_s']) for x in rows]} in {time.perf_counter() - t0:.1f} s")
-    assert [(x['mode'], x['new_samples'], x['skipped'], x['requests']) for x in rows] == [('bf16', 24, 0, 24), ('compact', 24, 0, 24)]
-    ds = load_from_disk(str(Path(r.data_root)/'corpus'/'train'))
+    print(
+        f"qwen3 engine extraction: {[(x['mode'], x['new_samples'], x['tokens'], x['tokens_per_s']) for x in rows]} in {time.perf_counter() - t0:.1f} s"
+    )
+    assert [(x['mode'], x['new_samples'], x['skipped'], x['requests']) for x in rows] == [
+        ('bf16', 24, 0, 24),
+        ('compact', 24, 0, 24),
+    ]
+    ds = load_from_disk(str(Path(r.data_root) / 'corpus' / 'train'))
     root = Path(r.data_root)
     for mode in ('bf16', 'compact'):
-        hf = hf_store(r.target.model, ds, tmp/'hf'/mode, mode, ts['aux_layers'])
-        me, mh = read_meta(shard_files(root/'hidden'/mode/'train')[0]), read_meta(shard_files(hf)[0])
+        hf = hf_store(r.target.model, ds, tmp / 'hf' / mode, mode, ts['aux_layers'])
+        me, mh = read_meta(shard_files(root / 'hidden' / mode / 'train')[0]), read_meta(shard_files(hf)[0])
         assert {k: v for k, v in me.items() if k != 'sample_ids'} == {k: v for k, v in mh.items() if k != 'sample_ids'}
-        d = compare(root/'hidden'/mode/'train', hf, len(ts['aux_layers']), QWEN3_TOL)
+        d = compare(root / 'hidden' / mode / 'train', hf, len(ts['aux_layers']), QWEN3_TOL)
         print(f'qwen3 {mode}: engine vs HF {d}')
         if mode == 'bf16':
             assert d['aux_excess'] <= QWEN3_TOL and d['final_excess'] <= QWEN3_TOL and d['final_tokens_beyond'] == 0
         else:
             assert d['aux_excess'] <= QWEN3_TOL and d['topk_p_max_abs'] <= 2e-3 and d['top1_same'] >= 0.99 * d['tokens']
     import duckdb
+
     with duckdb.connect(r.catalog, read_only=True) as con:
-        n = con.execute("SELECT count(*) FROM hidden_index WHERE store = ?", [str((root/'hidden'/'bf16'/'train').resolve())]).fetchone()[0]
+        n = con.execute(
+            "SELECT count(*) FROM hidden_index WHERE store = ?", [str((root / 'hidden' / 'bf16' / 'train').resolve())]
+        ).fetchone()[0]
     assert n == 24
-    again = extract_recipe_engine(r, modes='bf16', splits='train', progress=False, log=lambda *a: None)  # a rerun asks for nothing
+    again = extract_recipe_engine(
+        r, modes='bf16', splits='train', progress=False, log=lambda *a: None
+    )  # a rerun asks for nothing
     assert (again[0]['new_samples'], again[0]['skipped'], again[0]['requests']) == (0, 24, 0)
     import shutil
-    compact = root/'hidden'/'compact'/'train'
-    shutil.rmtree(compact)  # the compact store lost, the bf16 one whole: both asked again, only the samples compact lacks
+
+    compact = root / 'hidden' / 'compact' / 'train'
+    shutil.rmtree(
+        compact
+    )  # the compact store lost, the bf16 one whole: both asked again, only the samples compact lacks
     mixed = extract_recipe_engine(r, modes='bf16,compact', splits='train', progress=False, log=lambda *a: None)
-    assert [(x['mode'], x['new_samples'], x['skipped'], x['requests']) for x in mixed] == [('bf16', 0, 24, 24), ('compact', 24, 0, 24)]
-    d = compare(compact, tmp/'hf'/'compact', len(ts['aux_layers']), QWEN3_TOL)
+    assert [(x['mode'], x['new_samples'], x['skipped'], x['requests']) for x in mixed] == [
+        ('bf16', 0, 24, 24),
+        ('compact', 24, 0, 24),
+    ]
+    d = compare(compact, tmp / 'hf' / 'compact', len(ts['aux_layers']), QWEN3_TOL)
     assert d['aux_excess'] <= QWEN3_TOL and d['topk_p_max_abs'] <= 2e-3 and d['top1_same'] >= 0.99 * d['tokens']
     with duckdb.connect(r.catalog, read_only=True) as con:
         n = con.execute("SELECT count(*) FROM hidden_index WHERE store = ?", [str(compact.resolve())]).fetchone()[0]
@@ -143,32 +197,39 @@ from eagle3nb.recipe import load_recipe
 extract_recipe_engine(load_recipe(sys.argv[1]), modes=sys.argv[2], splits='train', shard_mb=0.02, concurrency=2, progress=False)
 """
 
+
 @pytest.mark.parametrize('modes', ['bf16', 'bf16,compact'])
 def test_kill9_mid_run_then_resume_nothing_lost_or_doubled(qwen3, modes):
     """SIGKILL the extraction while shards land; the rerun stores every sample exactly once in every store, and drops or
     uses the spool files left; with two modes, a sample is asked again only where some store lacks it"""
-    tmp, ts, ml = qwen3['tmp']/f"kill-{modes.replace(',', '-')}", qwen3['ts'], modes.split(',')
+    tmp, ts, ml = qwen3['tmp'] / f"kill-{modes.replace(',', '-')}", qwen3['ts'], modes.split(',')
     r = recipe_for(tmp, 'qwen3-tiny', endpoints=[qwen3['srv'].base_url])
     r.phases = dict(extract=dict(spool=str(qwen3['spool'])))
     corpus(Path(r.data_root), ts['vocab_size'], 240, 16, 64, seed=1)
-    path = save_recipe(r, tmp/'recipe.yaml')
-    stores = {m: Path(r.data_root)/'hidden'/m/'train' for m in ml}
-    p = subprocess.Popen([sys.executable, '-c', _CHILD, str(path), modes], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    while len(shard_files(stores['bf16'])) < 4 and p.poll() is None: time.sleep(0.05)  # ready: shards are landing
+    path = save_recipe(r, tmp / 'recipe.yaml')
+    stores = {m: Path(r.data_root) / 'hidden' / m / 'train' for m in ml}
+    p = subprocess.Popen(
+        [sys.executable, '-c', _CHILD, str(path), modes], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    while len(shard_files(stores['bf16'])) < 4 and p.poll() is None:
+        time.sleep(0.05)  # ready: shards are landing
     assert p.poll() is None, f'the run ended before the kill: {p.stderr.read().decode()[-2000:]}'
-    p.send_signal(signal.SIGKILL); p.wait()
+    p.send_signal(signal.SIGKILL)
+    p.wait()
     before = {m: {x['sample_id'] for x in read_index(d)} for m, d in stores.items()}
     left = list(qwen3['spool'].glob('s-*.safetensors'))
     print(f'killed with {[len(b) for b in before.values()]} of 240 samples stored, {len(left)} spool files left')
     assert all(0 < len(b) < 240 for b in before.values())
     rows = extract_recipe_engine(r, modes=modes, splits='train', progress=False, log=lambda *a: None)
     assert [(x['skipped'], x['new_samples']) for x in rows] == [(len(before[m]), 240 - len(before[m])) for m in ml]
-    lack = 240 - len(set.intersection(*before.values()))  # samples some store lacks: each asked once, or read from the spool
+    lack = 240 - len(
+        set.intersection(*before.values())
+    )  # samples some store lacks: each asked once, or read from the spool
     assert lack - len(left) <= rows[0]['requests'] <= lack
     for m, d in stores.items():
         ids = [x['sample_id'] for x in read_index(d)]
         assert len(ids) == 240 and set(ids) == {f'x1-{i:04d}' for i in range(240)}  # nothing lost, nothing doubled
-        rep = validate(d, corpus=load_from_disk(str(Path(r.data_root)/'corpus'/'train')))
+        rep = validate(d, corpus=load_from_disk(str(Path(r.data_root) / 'corpus' / 'train')))
         assert rep['samples'] == 240 and not rep['problems']
     assert not any(qwen3['spool'].glob('s-*.safetensors'))
 
@@ -178,20 +239,30 @@ def test_kimi_mla_cli_local_launch_equals_hf(tmp_path, capsys):
     launches its own server. The recipe is as a run writes it when its runner serves the target: `target.endpoints` is
     that plain server (here a port where nothing listens), marked `served_here`, so extraction must not send it anything"""
     from eagle3nb.cli import main
+
     r = recipe_for(tmp_path, 'kimi-tiny', endpoints=['http://127.0.0.1:9/v1'], served_here=True)
     r.phases = dict(extract=dict(engine='vllm', concurrency=4))
     ts = target_summary(r.target.model)
     corpus(Path(r.data_root), ts['vocab_size'], 16, 5, 100, seed=2)
     t0 = time.perf_counter()
-    main(['extract', str(save_recipe(r, tmp_path/'recipe.yaml')), '--splits', 'train'])
+    main(['extract', str(save_recipe(r, tmp_path / 'recipe.yaml')), '--splits', 'train'])
     print(f'kimi engine extraction (server start included): {time.perf_counter() - t0:.1f} s')
-    store = Path(r.data_root)/'hidden'/'bf16'/'train'
+    store = Path(r.data_root) / 'hidden' / 'bf16' / 'train'
     out = capsys.readouterr().out
     assert len(read_index(store)) == 16 and 'vllm: bf16/train: 16 new samples' in out
-    assert "http://127.0.0.1:9/v1 is the run's plain target server (no hidden-states connector): launching an extraction server" in out
-    spool = Path(r.data_root)/'hidden'/'.engine'/'spool'
+    assert (
+        "http://127.0.0.1:9/v1 is the run's plain target server (no hidden-states connector): launching an extraction server"
+        in out
+    )
+    spool = Path(r.data_root) / 'hidden' / '.engine' / 'spool'
     assert not list(spool.iterdir())  # the readiness probe's file too: the spool is ours
-    hf = hf_store(r.target.model, load_from_disk(str(Path(r.data_root)/'corpus'/'train')), tmp_path/'hf', 'bf16', ts['aux_layers'])
+    hf = hf_store(
+        r.target.model,
+        load_from_disk(str(Path(r.data_root) / 'corpus' / 'train')),
+        tmp_path / 'hf',
+        'bf16',
+        ts['aux_layers'],
+    )
     d = compare(store, hf, len(ts['aux_layers']), KIMI_TOL)
     print(f'kimi bf16: engine vs HF {d}')
     assert d['aux_excess'] <= KIMI_TOL
@@ -205,17 +276,18 @@ def test_bad_spool_file_asked_again_and_too_long_sample_named(qwen3):
     "A spool file that does not match its sample is dropped and the sample requested again; an engine refusal names the sample"
     from safetensors.torch import save_file
     from eagle3nb.engine_extract import EngineExtractError
-    tmp, ts = qwen3['tmp']/'bad', qwen3['ts']
+
+    tmp, ts = qwen3['tmp'] / 'bad', qwen3['ts']
     r = recipe_for(tmp, 'qwen3-tiny', endpoints=[qwen3['srv'].base_url])
     r.phases = dict(extract=dict(spool=str(qwen3['spool'])))
     corpus(Path(r.data_root), ts['vocab_size'], 3, 10, 20, seed=3)
-    stale = qwen3['spool']/spool_name('x3-0001')  # a killed run's file for the wrong tokens (2 instead of 10-20)
+    stale = qwen3['spool'] / spool_name('x3-0001')  # a killed run's file for the wrong tokens (2 instead of 10-20)
     save_file(dict(hidden_states=torch.zeros(2, 4, ts['hidden_size']), token_ids=torch.tensor([1, 2])), str(stale))
     rows = extract_recipe_engine(r, modes='bf16', splits='train', progress=False, log=lambda *a: None)
     assert rows[0]['new_samples'] == 3 and not stale.exists()
-    store = Path(r.data_root)/'hidden'/'bf16'/'train'
-    assert not validate(store, corpus=load_from_disk(str(Path(r.data_root)/'corpus'/'train')))['problems']
-    long = recipe_for(tmp/'long', 'qwen3-tiny', endpoints=[qwen3['srv'].base_url])
+    store = Path(r.data_root) / 'hidden' / 'bf16' / 'train'
+    assert not validate(store, corpus=load_from_disk(str(Path(r.data_root) / 'corpus' / 'train')))['problems']
+    long = recipe_for(tmp / 'long', 'qwen3-tiny', endpoints=[qwen3['srv'].base_url])
     long.phases = r.phases
     corpus(Path(long.data_root), ts['vocab_size'], 1, 2100, 2100, seed=4)  # the server's --max-model-len is 2048
     with pytest.raises(EngineExtractError, match=r'sample x4-0000: .*HTTP 400'):
@@ -229,20 +301,24 @@ from eagle3nb.recipe import load_recipe
 extract_recipe_engine(load_recipe(sys.argv[1]), modes='bf16', splits='train', shard_mb=0.02, concurrency=2, progress=False)
 """
 
+
 def test_kill9_of_extract_takes_the_engine_it_launched_with_it(tmp_path):
     """`kill -9` of an extraction that launched its own vLLM server (as a node's OOM killer would): the server, its
     engine core and workers go too (the guard's doing), so no orphan holds the GPU, its memory or its port"""
     import psutil
+
     r = recipe_for(tmp_path, 'qwen3-tiny')
     corpus(Path(r.data_root), target_summary(r.target.model)['vocab_size'], 400, 16, 64, seed=3)
-    path = save_recipe(r, tmp_path/'recipe.yaml')
-    store = Path(r.data_root)/'hidden'/'bf16'/'train'
+    path = save_recipe(r, tmp_path / 'recipe.yaml')
+    store = Path(r.data_root) / 'hidden' / 'bf16' / 'train'
     p = subprocess.Popen([sys.executable, '-c', _LAUNCH, str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    while len(shard_files(store)) < 2 and p.poll() is None: time.sleep(0.05)  # ready: the engine answers, shards land
+    while len(shard_files(store)) < 2 and p.poll() is None:
+        time.sleep(0.05)  # ready: the engine answers, shards land
     assert p.poll() is None, f'the extraction ended before the kill: {p.stderr.read().decode()[-2000:]}'
     kids = psutil.Process(p.pid).children(recursive=True)
     assert any('vllm' in ' '.join(k.cmdline()) for k in kids), [k.cmdline()[:4] for k in kids]
-    p.send_signal(signal.SIGKILL); p.wait()
+    p.send_signal(signal.SIGKILL)
+    p.wait()
     t0 = time.monotonic()
     _, alive = psutil.wait_procs(kids, timeout=180)  # a hang guard: the guard SIGKILLs what outlives its grace
     print(f'{len(kids)} processes of the killed extraction gone {time.monotonic() - t0:.1f} s after the kill')

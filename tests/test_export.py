@@ -1,4 +1,5 @@
 "Export of a training checkpoint to an engine-loadable EAGLE-3 draft folder"
+
 import json
 import pytest, torch
 from safetensors import safe_open
@@ -9,106 +10,177 @@ from eagle3nb.recipe import default_aux_layers
 from eagle3nb.train import save_checkpoint, TrainConfig
 from eagle3nb.export import export_draft, check_export, ExportError
 
+
 @pytest.fixture
 def ckpt(kimi_tiny, tmp_path):
-    tc = AutoConfig.from_pretrained(str(kimi_tiny)); tt = tc.get_text_config()
+    tc = AutoConfig.from_pretrained(str(kimi_tiny))
+    tt = tc.get_text_config()
     V, H, Vd = tt.vocab_size, tt.hidden_size, 16
     tids = torch.arange(Vd) * 5 + 2
-    t2d = torch.zeros(V, dtype=torch.bool); t2d[tids] = True
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[tids] = True
     dr = new_draft(tc, torch.zeros(V, H), tids - torch.arange(Vd), t2d, seed=1)
-    opt = torch.optim.AdamW(dr.parameters()); sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return save_checkpoint(tmp_path/'run', 3, dr, opt, sch, TrainConfig()), tt, dr
+    opt = torch.optim.AdamW(dr.parameters())
+    sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return save_checkpoint(tmp_path / 'run', 3, dr, opt, sch, TrainConfig()), tt, dr
+
 
 def test_export_roundtrip(ckpt, kimi_tiny, tmp_path):
     ck, tt, dr = ckpt
-    cfg = export_draft(ck, tmp_path/'out', kimi_tiny, aux_layers=[1, 2, 3])
-    assert check_export(tmp_path/'out') == []
-    c = json.loads((tmp_path/'out'/'config.json').read_text())
+    cfg = export_draft(ck, tmp_path / 'out', kimi_tiny, aux_layers=[1, 2, 3])
+    assert check_export(tmp_path / 'out') == []
+    c = json.loads((tmp_path / 'out' / 'config.json').read_text())
     assert c == cfg and c['architectures'] == ['LlamaForCausalLMEagle3'] and c['model_type'] == 'llama'
-    assert (c['num_hidden_layers'], c['tie_word_embeddings'], c['vocab_size'], c['draft_vocab_size'], c['target_hidden_size']) == (1, False, tt.vocab_size, 16, tt.hidden_size)
-    assert c['eagle_aux_hidden_state_layer_ids'] == [1, 2, 3] and c['eagle_config']['eagle_aux_hidden_state_layer_ids'] == [0, 1, 2]
-    w = load_file(str(tmp_path/'out'/'model.safetensors'))
+    assert (
+        c['num_hidden_layers'],
+        c['tie_word_embeddings'],
+        c['vocab_size'],
+        c['draft_vocab_size'],
+        c['target_hidden_size'],
+    ) == (1, False, tt.vocab_size, 16, tt.hidden_size)
+    assert c['eagle_aux_hidden_state_layer_ids'] == [1, 2, 3] and c['eagle_config'][
+        'eagle_aux_hidden_state_layer_ids'
+    ] == [0, 1, 2]
+    w = load_file(str(tmp_path / 'out' / 'model.safetensors'))
     assert not any('embed' in k for k in w) and w['fc.weight'].dtype == torch.bfloat16
     assert w['d2t'].dtype == torch.int64 and w['t2d'].dtype == torch.bool and torch.equal(w['t2d'], dr.t2d)
     assert torch.allclose(w['lm_head.weight'].float(), dr.lm_head.weight.detach(), atol=1e-2, rtol=1e-2)
     assert not list(tmp_path.glob('.out.tmp'))
 
+
 def test_default_aux_layers(ckpt, kimi_tiny, tmp_path):
     ck, tt, _ = ckpt
-    cfg = export_draft(ck, tmp_path/'out', kimi_tiny)
+    cfg = export_draft(ck, tmp_path / 'out', kimi_tiny)
     assert cfg['eagle_aux_hidden_state_layer_ids'] == default_aux_layers(tt.num_hidden_layers)
+
 
 def test_refuses_bad_checkpoints(ckpt, kimi_tiny, tmp_path):
     ck, _, _ = ckpt
-    f = ck/'model.safetensors'
-    with safe_open(str(f), 'pt') as s: meta = s.metadata()
+    f = ck / 'model.safetensors'
+    with safe_open(str(f), 'pt') as s:
+        meta = s.metadata()
     sd = load_file(str(f))
     save_file({k: v for k, v in sd.items() if k != 'lm_head.weight'}, str(f), metadata=meta)
-    with pytest.raises(ExportError, match='lm_head'): export_draft(ck, tmp_path/'a', kimi_tiny)
+    with pytest.raises(ExportError, match='lm_head'):
+        export_draft(ck, tmp_path / 'a', kimi_tiny)
     save_file({**sd, 'fc.weight': sd['fc.weight'][:, :-1].contiguous()}, str(f), metadata=meta)
-    with pytest.raises(ExportError, match='3 x'): export_draft(ck, tmp_path/'b', kimi_tiny)
-    assert not (tmp_path/'a').exists() and not (tmp_path/'b').exists()
+    with pytest.raises(ExportError, match='3 x'):
+        export_draft(ck, tmp_path / 'b', kimi_tiny)
+    assert not (tmp_path / 'a').exists() and not (tmp_path / 'b').exists()
+
 
 def test_check_export_flags_bad_maps(ckpt, kimi_tiny, tmp_path):
     ck, _, _ = ckpt
-    export_draft(ck, tmp_path/'out', kimi_tiny)
-    f = tmp_path/'out'/'model.safetensors'; w = load_file(str(f))
-    w['d2t'] = w['d2t'] + 1; save_file(w, str(f))
-    assert check_export(tmp_path/'out') == ["d2t does not map the draft vocab onto the ids t2d marks"]
-    w['d2t'] = w['d2t'].int(); save_file(w, str(f))
-    assert any('int64' in p for p in check_export(tmp_path/'out'))
+    export_draft(ck, tmp_path / 'out', kimi_tiny)
+    f = tmp_path / 'out' / 'model.safetensors'
+    w = load_file(str(f))
+    w['d2t'] = w['d2t'] + 1
+    save_file(w, str(f))
+    assert check_export(tmp_path / 'out') == ["d2t does not map the draft vocab onto the ids t2d marks"]
+    w['d2t'] = w['d2t'].int()
+    save_file(w, str(f))
+    assert any('int64' in p for p in check_export(tmp_path / 'out'))
+
 
 def _data_root(d, aux=None, template='t' * 64):
     "A data root with what the training record reads: a render manifest, vocab.json and (optionally) a hidden-state shard"
-    (d/'rendered'/'ds').mkdir(parents=True); (d/'vocab').mkdir()
-    (d/'rendered'/'ds'/'render.json').write_text(json.dumps(dict(params=dict(template_sha256=template, tokenizer_sha256='k'))))
-    (d/'vocab'/'vocab.json').write_text(json.dumps(dict(draft_vocab=16, special_used={'<|im_end|>': dict(id=2, count=1, rank=0)})))
+    (d / 'rendered' / 'ds').mkdir(parents=True)
+    (d / 'vocab').mkdir()
+    (d / 'rendered' / 'ds' / 'render.json').write_text(
+        json.dumps(dict(params=dict(template_sha256=template, tokenizer_sha256='k')))
+    )
+    (d / 'vocab' / 'vocab.json').write_text(
+        json.dumps(dict(draft_vocab=16, special_used={'<|im_end|>': dict(id=2, count=1, rank=0)}))
+    )
     if aux:
-        (d/'hidden'/'bf16'/'train').mkdir(parents=True)
-        save_file({'x': torch.zeros(1)}, str(d/'hidden'/'bf16'/'train'/'r000-000000.safetensors'),
-                  metadata=dict(layer_ids=json.dumps(aux), template_sha256=json.dumps(template)))
+        (d / 'hidden' / 'bf16' / 'train').mkdir(parents=True)
+        save_file(
+            {'x': torch.zeros(1)},
+            str(d / 'hidden' / 'bf16' / 'train' / 'r000-000000.safetensors'),
+            metadata=dict(layer_ids=json.dumps(aux), template_sha256=json.dumps(template)),
+        )
     return d
+
 
 def test_cli_export_writes_training_record(ckpt, kimi_tiny, tmp_path, capsys):
     from eagle3nb.cli import main
+
     ck, tt, _ = ckpt
-    root = _data_root(tmp_path/'data', aux=[1, 3, 5])
-    main(['export', str(ck), '--out', str(tmp_path/'out'), '--target', str(kimi_tiny), '--data', str(root)])
+    root = _data_root(tmp_path / 'data', aux=[1, 3, 5])
+    main(['export', str(ck), '--out', str(tmp_path / 'out'), '--target', str(kimi_tiny), '--data', str(root)])
     assert json.loads(capsys.readouterr().out)['problems'] == []
-    rec = json.loads((tmp_path/'out'/'eagle3nb.json').read_text())
-    assert rec['aux_layers'] == [1, 3, 5] and rec['template_sha256'] == ['t' * 64] and rec['special_tokens'] == {'<|im_end|>': 2}
-    c = json.loads((tmp_path/'out'/'config.json').read_text())   # the hidden states' layers win over the default
-    assert c['eagle_aux_hidden_state_layer_ids'] == [1, 3, 5] and c['eagle_config']['eagle_aux_hidden_state_layer_ids'] == [0, 2, 4]
+    rec = json.loads((tmp_path / 'out' / 'eagle3nb.json').read_text())
+    assert (
+        rec['aux_layers'] == [1, 3, 5]
+        and rec['template_sha256'] == ['t' * 64]
+        and rec['special_tokens'] == {'<|im_end|>': 2}
+    )
+    c = json.loads((tmp_path / 'out' / 'config.json').read_text())  # the hidden states' layers win over the default
+    assert c['eagle_aux_hidden_state_layer_ids'] == [1, 3, 5] and c['eagle_config'][
+        'eagle_aux_hidden_state_layer_ids'
+    ] == [0, 2, 4]
+
 
 def test_export_refuses_aux_layers_other_than_extracted(ckpt, kimi_tiny, tmp_path, capsys):
     from eagle3nb.cli import main
+
     ck, _, _ = ckpt
-    root = _data_root(tmp_path/'data', aux=[1, 3, 5])
+    root = _data_root(tmp_path / 'data', aux=[1, 3, 5])
     with pytest.raises(SystemExit) as e:
-        main(['export', str(ck), '--out', str(tmp_path/'out'), '--target', str(kimi_tiny), '--data', str(root), '--aux-layers', '2,3,5'])
+        main(
+            [
+                'export',
+                str(ck),
+                '--out',
+                str(tmp_path / 'out'),
+                '--target',
+                str(kimi_tiny),
+                '--data',
+                str(root),
+                '--aux-layers',
+                '2,3,5',
+            ]
+        )
     assert e.value.code == 1 and 'extracted at input-of-layer ids [1, 3, 5]' in capsys.readouterr().err
-    assert not (tmp_path/'out').exists()
+    assert not (tmp_path / 'out').exists()
+
 
 def test_launch_commands_parse_back(tmp_path):
     import shlex
     from eagle3nb.export import launch_commands
-    c = launch_commands(tmp_path/'my draft', '/models/Kimi-K2.5', tp=8, num_steps=5, topk=4)
+
+    c = launch_commands(tmp_path / 'my draft', '/models/Kimi-K2.5', tp=8, num_steps=5, topk=4)
     a = shlex.split(c['sglang'])
     flag = lambda f: a[a.index(f) + 1]
-    assert (flag('--speculative-algorithm'), flag('--speculative-draft-model-path'), flag('--tp')) == ('EAGLE3', str(tmp_path/'my draft'), '8')
-    assert (flag('--speculative-num-steps'), flag('--speculative-eagle-topk'), flag('--speculative-num-draft-tokens')) == ('5', '4', '10')
+    assert (flag('--speculative-algorithm'), flag('--speculative-draft-model-path'), flag('--tp')) == (
+        'EAGLE3',
+        str(tmp_path / 'my draft'),
+        '8',
+    )
+    assert (
+        flag('--speculative-num-steps'),
+        flag('--speculative-eagle-topk'),
+        flag('--speculative-num-draft-tokens'),
+    ) == ('5', '4', '10')
     v = shlex.split(c['vllm'])
     assert v[:3] == ['vllm', 'serve', '/models/Kimi-K2.5']
-    assert json.loads(v[v.index('--speculative-config') + 1]) == dict(method='eagle3', model=str(tmp_path/'my draft'), num_speculative_tokens=5)
+    assert json.loads(v[v.index('--speculative-config') + 1]) == dict(
+        method='eagle3', model=str(tmp_path / 'my draft'), num_speculative_tokens=5
+    )
+
 
 def test_cli_export_reads_target_and_data_from_the_run(ckpt, kimi_tiny, tmp_path, capsys):
     "A checkpoint inside papermill_runs/<run>/checkpoints/ needs no --target/--data: the run's frozen recipe has them"
     from eagle3nb.cli import main
+
     ck, _, _ = ckpt
-    with pytest.raises(SystemExit) as e: main(['export', str(ck), '--out', str(tmp_path/'out')])  # no recipe.yaml yet
+    with pytest.raises(SystemExit) as e:
+        main(['export', str(ck), '--out', str(tmp_path / 'out')])  # no recipe.yaml yet
     assert e.value.code == 1 and 'pass --target TARGET_DIR' in capsys.readouterr().err
-    root = _data_root(tmp_path/'data', aux=[1, 3, 5])
-    (ck.parent.parent/'recipe.yaml').write_text(json.dumps(dict(name='r', target=dict(model=str(kimi_tiny)), data_root=str(root))))
-    main(['export', str(ck), '--out', str(tmp_path/'out')])
+    root = _data_root(tmp_path / 'data', aux=[1, 3, 5])
+    (ck.parent.parent / 'recipe.yaml').write_text(
+        json.dumps(dict(name='r', target=dict(model=str(kimi_tiny)), data_root=str(root)))
+    )
+    main(['export', str(ck), '--out', str(tmp_path / 'out')])
     assert json.loads(capsys.readouterr().out)['problems'] == []
-    assert json.loads((tmp_path/'out'/'eagle3nb.json').read_text())['aux_layers'] == [1, 3, 5]
+    assert json.loads((tmp_path / 'out' / 'eagle3nb.json').read_text())['aux_layers'] == [1, 3, 5]

@@ -1,4 +1,5 @@
 "Extract + store: equality with a direct forward on both toys, kill -9 resume, disk preflight, catalog index, torchrun ranks"
+
 import os, shutil, signal, subprocess, sys, textwrap, time
 from pathlib import Path
 
@@ -17,8 +18,14 @@ def samples(n, seed=0):
     "n toy samples with a few distinct lengths (equal lengths share a batch)"
     g = torch.Generator().manual_seed(seed)
     lens = [4 + (i * 7) % 11 for i in range(n)]
-    return [dict(sample_id=f's{i:03d}', input_ids=torch.randint(0, 3000, (L,), generator=g).tolist(),
-                 loss_mask=[int(j > L // 2) for j in range(L)]) for i, L in enumerate(lens)]
+    return [
+        dict(
+            sample_id=f's{i:03d}',
+            input_ids=torch.randint(0, 3000, (L,), generator=g).tolist(),
+            loss_mask=[int(j > L // 2) for j in range(L)],
+        )
+        for i, L in enumerate(lens)
+    ]
 
 
 def by_id(d):
@@ -35,20 +42,26 @@ def kimi():
 def test_bf16_equals_direct_forward(toy, tmp_path):
     "Stored aux/final states are bit-identical to an unbatched HF forward with output_hidden_states (ids = HF indices)"
     from datasets import Dataset
+
     m, rows = load_target(ensure_toy(toy)), samples(12)
-    st = extract(m, Dataset.from_list(rows), tmp_path/'h', aux_layers=AUX, shard_bytes=5000, catalog=tmp_path/'c.duckdb')
+    st = extract(
+        m, Dataset.from_list(rows), tmp_path / 'h', aux_layers=AUX, shard_bytes=5000, catalog=tmp_path / 'c.duckdb'
+    )
     assert st['samples'] == 12 and len(st['shards']) > 1
-    got = by_id(tmp_path/'h')
+    got = by_id(tmp_path / 'h')
     for r in rows:
-        with torch.no_grad(): hs = m(torch.tensor([r['input_ids']]), output_hidden_states=True).hidden_states
+        with torch.no_grad():
+            hs = m(torch.tensor([r['input_ids']]), output_hidden_states=True).hidden_states
         assert torch.equal(got[r['sample_id']]['aux'], torch.cat([hs[k][0] for k in AUX], -1))
         assert torch.equal(got[r['sample_id']]['final'], hs[-1][0])
         assert got[r['sample_id']]['loss_mask'].tolist() == [bool(x) for x in r['loss_mask']]
-    rep = validate(tmp_path/'h', corpus=rows, expect=dict(layer_ids=AUX, sglang_layer_ids=[1, 3, 5], hidden_size=64, mode='bf16'))
+    rep = validate(
+        tmp_path / 'h', corpus=rows, expect=dict(layer_ids=AUX, sglang_layer_ids=[1, 3, 5], hidden_size=64, mode='bf16')
+    )
     assert rep['samples'] == 12 and rep['tokens'] == sum(len(r['input_ids']) for r in rows)
-    idx = query(tmp_path/'c.duckdb', 'SELECT count(*) AS n, sum(length) AS t FROM hidden_index')
+    idx = query(tmp_path / 'c.duckdb', 'SELECT count(*) AS n, sum(length) AS t FROM hidden_index')
     assert idx.n[0] == 12 and idx.t[0] == rep['tokens']
-    assert st['bytes_per_token'] == bytes_per_token('bf16', 64) == 8*64 + 5
+    assert st['bytes_per_token'] == bytes_per_token('bf16', 64) == 8 * 64 + 5
 
 
 KILL_SCRIPT = textwrap.dedent('''
@@ -63,15 +76,21 @@ KILL_SCRIPT = textwrap.dedent('''
 def test_kill9_resume_loses_and_duplicates_nothing(kimi, tmp_path):
     "SIGKILL mid-run, rerun: every sample stored exactly once, identical to an uninterrupted run, index complete"
     import json
+
     rows = samples(40, seed=1)
-    (tmp_path/'rows.json').write_text(json.dumps(rows)); (tmp_path/'kill.py').write_text(KILL_SCRIPT)
-    out, cat = tmp_path/'h', tmp_path/'c.duckdb'
+    (tmp_path / 'rows.json').write_text(json.dumps(rows))
+    (tmp_path / 'kill.py').write_text(KILL_SCRIPT)
+    out, cat = tmp_path / 'h', tmp_path / 'c.duckdb'
     env = {**os.environ, 'OMP_NUM_THREADS': '1'}
-    p = subprocess.Popen([sys.executable, str(tmp_path/'kill.py'), str(kimi), str(tmp_path/'rows.json'), str(out), str(cat)], env=env)
+    p = subprocess.Popen(
+        [sys.executable, str(tmp_path / 'kill.py'), str(kimi), str(tmp_path / 'rows.json'), str(out), str(cat)], env=env
+    )
     t0 = time.time()
-    while len(shard_files(out)) < 2 and p.poll() is None and time.time() - t0 < 120: time.sleep(0.05)
+    while len(shard_files(out)) < 2 and p.poll() is None and time.time() - t0 < 120:
+        time.sleep(0.05)
     assert p.poll() is None, 'extraction finished before it could be killed; slow it down'
-    p.send_signal(signal.SIGKILL); p.wait()
+    p.send_signal(signal.SIGKILL)
+    p.wait()
     partial = done_ids(out)
     assert 0 < len(partial) < 40
     m = load_target(kimi)
@@ -80,9 +99,10 @@ def test_kill9_resume_loses_and_duplicates_nothing(kimi, tmp_path):
     ids = [r['sample_id'] for r in read_index(out)]
     assert sorted(ids) == sorted(r['sample_id'] for r in rows)  # nothing lost, nothing twice
     validate(out, corpus=rows)
-    extract(m, rows, tmp_path/'ref', aux_layers=AUX, shard_bytes=3000)  # uninterrupted
-    a, b = by_id(out), by_id(tmp_path/'ref')
-    for s in a: assert torch.equal(a[s]['aux'], b[s]['aux']) and torch.equal(a[s]['final'], b[s]['final'])
+    extract(m, rows, tmp_path / 'ref', aux_layers=AUX, shard_bytes=3000)  # uninterrupted
+    a, b = by_id(out), by_id(tmp_path / 'ref')
+    for s in a:
+        assert torch.equal(a[s]['aux'], b[s]['aux']) and torch.equal(a[s]['final'], b[s]['final'])
     assert query(cat, 'SELECT count(DISTINCT sample_id) AS n FROM hidden_index').n[0] == 40
     assert [f.name for f in out.iterdir() if f.name.startswith('.')] == []  # a killed write's temp file is gone
 
@@ -90,35 +110,39 @@ def test_kill9_resume_loses_and_duplicates_nothing(kimi, tmp_path):
 def test_preflight_refuses_without_space(kimi, tmp_path, monkeypatch):
     "Free space < estimate x 1.1: no forward, no shard, a message with the amount needed; exactly 1.1x passes"
     import eagle3nb.extract as ex
+
     m, rows = load_target(kimi), samples(6)
     need = bytes_per_token('bf16', 64) * sum(len(r['input_ids']) for r in rows)
     real = shutil.disk_usage
-    fake = lambda free: (lambda p: real(p)._replace(free=free))
+    fake = lambda free: lambda p: real(p)._replace(free=free)
     monkeypatch.setattr(ex.shutil, 'disk_usage', fake(int(need * 1.1) - 1))
     with pytest.raises(NotEnoughDisk, match=r'needs .* GB free .*estimate .* x 1.1'):
-        extract(m, rows, tmp_path/'h', aux_layers=AUX, on_batch=lambda st: pytest.fail('a forward ran'))
-    assert shard_files(tmp_path/'h') == []
+        extract(m, rows, tmp_path / 'h', aux_layers=AUX, on_batch=lambda st: pytest.fail('a forward ran'))
+    assert shard_files(tmp_path / 'h') == []
     monkeypatch.setattr(ex.shutil, 'disk_usage', fake(int(need * 1.1)))
-    st = extract(m, rows, tmp_path/'h', aux_layers=AUX)
+    st = extract(m, rows, tmp_path / 'h', aux_layers=AUX)
     assert st['planned_bytes'] == need and st['samples'] == 6
-    assert sum(f.stat().st_size for f in shard_files(tmp_path/'h')) < need * 1.1  # the estimate covers the headers too
+    assert (
+        sum(f.stat().st_size for f in shard_files(tmp_path / 'h')) < need * 1.1
+    )  # the estimate covers the headers too
 
 
 def test_compact_mode_bound(kimi, tmp_path):
     "compact: aux within 2^-4|x| + 2^-10 s (+ bf16 output rounding), top-k = direct forward's over the draft vocab"
     m, rows = load_target(kimi), samples(5, seed=2)
     tids = torch.arange(7, 4096, 5)
-    extract(m, rows, tmp_path/'h', aux_layers=AUX, mode='compact', d2t=tids - torch.arange(len(tids)), topk=16)
-    got, raw = by_id(tmp_path/'h'), {s['sample_id']: s for s in HiddenStates(tmp_path/'h', raw=True)}
+    extract(m, rows, tmp_path / 'h', aux_layers=AUX, mode='compact', d2t=tids - torch.arange(len(tids)), topk=16)
+    got, raw = by_id(tmp_path / 'h'), {s['sample_id']: s for s in HiddenStates(tmp_path / 'h', raw=True)}
     for r in rows:
-        with torch.no_grad(): hs = m(torch.tensor([r['input_ids']]), output_hidden_states=True).hidden_states
+        with torch.no_grad():
+            hs = m(torch.tensor([r['input_ids']]), output_hidden_states=True).hidden_states
         x = torch.cat([hs[k][0] for k in AUX], -1).float()
         s = raw[r['sample_id']]['aux_scale'].repeat_interleave(64, -1)
         assert ((got[r['sample_id']]['aux'].float() - x).abs() <= (2**-4 + 2**-8) * x.abs() + 2**-10 * s).all()
         p = torch.softmax(hs[-1][0].float() @ m.lm_head.weight[tids].float().T, -1).topk(16)
         assert torch.equal(got[r['sample_id']]['topk_idx'].long(), p.indices)
         assert ((got[r['sample_id']]['topk_p'].float() - p.values).abs() <= 2**-11 * p.values + 1e-7).all()
-    validate(tmp_path/'h', corpus=rows, expect=dict(mode='compact', topk=16, draft_vocab_size=len(tids)))
+    validate(tmp_path / 'h', corpus=rows, expect=dict(mode='compact', topk=16, draft_vocab_size=len(tids)))
 
 
 RANK_SCRIPT = textwrap.dedent('''
@@ -128,39 +152,71 @@ RANK_SCRIPT = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.skipif(shutil.which('torchrun') is None and not Path(sys.executable).with_name('torchrun').exists(), reason='no torchrun')
+@pytest.mark.skipif(
+    shutil.which('torchrun') is None and not Path(sys.executable).with_name('torchrun').exists(), reason='no torchrun'
+)
 def test_torchrun_splits_ranks(kimi, tmp_path):
     "torchrun --nproc_per_node 2: each rank writes its own shards; together they hold every sample once"
     import json
+
     rows = samples(20, seed=3)
-    (tmp_path/'rows.json').write_text(json.dumps(rows)); (tmp_path/'rank.py').write_text(RANK_SCRIPT)
+    (tmp_path / 'rows.json').write_text(json.dumps(rows))
+    (tmp_path / 'rank.py').write_text(RANK_SCRIPT)
     torchrun = shutil.which('torchrun') or str(Path(sys.executable).with_name('torchrun'))
-    r = subprocess.run([torchrun, '--nproc_per_node', '2', '--master_port', '0', str(tmp_path/'rank.py'), str(kimi),
-                        str(tmp_path/'rows.json'), str(tmp_path/'h')], env={**os.environ, 'OMP_NUM_THREADS': '1'},
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            torchrun,
+            '--nproc_per_node',
+            '2',
+            '--master_port',
+            '0',
+            str(tmp_path / 'rank.py'),
+            str(kimi),
+            str(tmp_path / 'rows.json'),
+            str(tmp_path / 'h'),
+        ],
+        env={**os.environ, 'OMP_NUM_THREADS': '1'},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
-    prefixes = {f.name.split('-')[0] for f in shard_files(tmp_path/'h')}
+    prefixes = {f.name.split('-')[0] for f in shard_files(tmp_path / 'h')}
     assert prefixes == {'r000', 'r001'}
-    assert sorted(x['sample_id'] for x in read_index(tmp_path/'h')) == [x['sample_id'] for x in rows]
-    validate(tmp_path/'h', corpus=rows)
+    assert sorted(x['sample_id'] for x in read_index(tmp_path / 'h')) == [x['sample_id'] for x in rows]
+    validate(tmp_path / 'h', corpus=rows)
 
 
 def test_torchrun_extract_recipe(kimi, tmp_path):
     "The documented command: torchrun --no-python python -c 'extract_recipe(recipe)' on 2 CPU ranks, both modes, catalog index"
     import json
     from datasets import Dataset
+
     rows = samples(16, seed=4)
-    Dataset.from_list(rows).save_to_disk(str(tmp_path/'data'/'corpus'/'train'))
-    (tmp_path/'r.yaml').write_text(json.dumps(dict(name='t', target=dict(toy='kimi-tiny', model=str(kimi)),
-                                                   data_root=str(tmp_path/'data'), catalog=str(tmp_path/'c.duckdb'))))
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / 'data' / 'corpus' / 'train'))
+    (tmp_path / 'r.yaml').write_text(
+        json.dumps(
+            dict(
+                name='t',
+                target=dict(toy='kimi-tiny', model=str(kimi)),
+                data_root=str(tmp_path / 'data'),
+                catalog=str(tmp_path / 'c.duckdb'),
+            )
+        )
+    )
     torchrun = shutil.which('torchrun') or str(Path(sys.executable).with_name('torchrun'))
-    code = f"from eagle3nb.extract import extract_recipe; extract_recipe({str(tmp_path/'r.yaml')!r}, modes='bf16,compact', shard_mb=0)"
-    r = subprocess.run([torchrun, '--nproc_per_node', '2', '--master_port', '0', '--no-python', sys.executable, '-c', code],
-                       env={**os.environ, 'OMP_NUM_THREADS': '1'}, capture_output=True, text=True, timeout=300)
+    code = f"from eagle3nb.extract import extract_recipe; extract_recipe({str(tmp_path / 'r.yaml')!r}, modes='bf16,compact', shard_mb=0)"
+    r = subprocess.run(
+        [torchrun, '--nproc_per_node', '2', '--master_port', '0', '--no-python', sys.executable, '-c', code],
+        env={**os.environ, 'OMP_NUM_THREADS': '1'},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     for mode in ('bf16', 'compact'):
-        d = tmp_path/'data'/'hidden'/mode/'train'
+        d = tmp_path / 'data' / 'hidden' / mode / 'train'
         assert {f.name.split('-')[0] for f in shard_files(d)} == {'r000', 'r001'}
         validate(d, corpus=rows, expect=dict(mode=mode, layer_ids=[2, 4, 5]))
-    n = query(tmp_path/'c.duckdb', 'SELECT mode, count(*) AS n FROM hidden_index GROUP BY 1 ORDER BY 1')
+    n = query(tmp_path / 'c.duckdb', 'SELECT mode, count(*) AS n FROM hidden_index GROUP BY 1 ORDER BY 1')
     assert n.values.tolist() == [['bf16', 16], ['compact', 16]]

@@ -1,4 +1,5 @@
 "Train plan: numbers equal SQL over a real catalog, versions never overwritten, the Kimi-K2.5 recipe planned from the recipe alone"
+
 import json, re, shutil
 from collections import namedtuple
 from pathlib import Path
@@ -13,18 +14,20 @@ from eagle3nb.runner import check_phase_params, phase_notebooks, phase_key, exec
 from eagle3nb.store import bytes_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
-KIMI = ROOT/'recipes'/'kimi-k2.5-agentic-100k.yaml'
-FIXTURES = ROOT/'tests'/'fixtures'/'datasets'
+KIMI = ROOT / 'recipes' / 'kimi-k2.5-agentic-100k.yaml'
+FIXTURES = ROOT / 'tests' / 'fixtures' / 'datasets'
 
 
-def md_table(md:str, heading:str, which:int=0)->list:
+def md_table(md: str, heading: str, which: int = 0) -> list:
     "Rows (lists of cell texts) of the `which`-th table under `## heading`, header included"
     sec = md.split(f'\n## {heading}\n', 1)[1].split('\n## ', 1)[0]
     tables = re.findall(r'((?:^\|.*\|$\n?)+)', sec, re.M)
     rows = [[c.strip() for c in l.strip('|').split('|')] for l in tables[which].strip().split('\n')]
     return [rows[0]] + rows[2:]  # drop the |---| line
 
-def num(s:str)->int: return int(s.replace(',', ''))
+
+def num(s: str) -> int:
+    return int(s.replace(',', ''))
 
 
 @pytest.fixture(scope='module')
@@ -36,9 +39,12 @@ def smoke(tmp_path_factory):
 def test_catalog_numbers_equal_sql(smoke):
     f = plan_facts(smoke, version=1)
     md = plan_markdown(f)
-    sql = query(smoke.catalog, """SELECT dataset, count(*) AS samples, sum(total_tokens) AS tokens, count(DISTINCT conversation_id) AS conv,
+    sql = query(
+        smoke.catalog,
+        """SELECT dataset, count(*) AS samples, sum(total_tokens) AS tokens, count(DISTINCT conversation_id) AS conv,
         sum(completion_tokens) AS sup, count(*) FILTER (partition = 'main') AS main, count(*) FILTER (partition = 'long') AS long,
-        count(*) FILTER (partition = 'excluded') AS excluded FROM samples GROUP BY ALL""").set_index('dataset')
+        count(*) FILTER (partition = 'excluded') AS excluded FROM samples GROUP BY ALL""",
+    ).set_index('dataset')
     assert set(sql.index) == {d.name for d in smoke.datasets}
     ds = {r[0]: r for r in md_table(md, 'Datasets')[1:]}
     tok = {r[0]: r for r in md_table(md, 'Token statistics')[1:]}
@@ -52,11 +58,16 @@ def test_catalog_numbers_equal_sql(smoke):
         assert num(tok[d['name']][1]) == s.tokens and num(tok[d['name']][6]) == s.sup
         assert [num(x) for x in part[d['name']][1:4]] == [s.main, s.long, s.excluded]
     # the partition summary table against SQL over partitions
-    by_part = query(smoke.catalog, "SELECT partition, count(*) AS n, sum(total_tokens) AS t FROM samples GROUP BY ALL").set_index('partition')
+    by_part = query(
+        smoke.catalog, "SELECT partition, count(*) AS n, sum(total_tokens) AS t FROM samples GROUP BY ALL"
+    ).set_index('partition')
     for row in md_table(md, 'Partitions', 1)[1:]:
         assert (num(row[3]), num(row[4])) == (by_part.n.get(row[0], 0), by_part.t.get(row[0], 0))
     # generation: the prompt-only samples outside 'excluded', per partition
-    gen = query(smoke.catalog, "SELECT partition, count(*) AS n FROM samples WHERE kind = 'prompt_only' AND partition <> 'excluded' GROUP BY ALL")
+    gen = query(
+        smoke.catalog,
+        "SELECT partition, count(*) AS n FROM samples WHERE kind = 'prompt_only' AND partition <> 'excluded' GROUP BY ALL",
+    )
     assert {k: v['samples'] for k, v in f['generation']['partitions'].items() if v['samples']} == dict(gen.values)
     # bytes per token per mode
     t, h = f['target'], f['hidden']
@@ -68,25 +79,27 @@ def test_catalog_numbers_equal_sql(smoke):
 
 
 def test_versions_never_overwrite(smoke, tmp_path):
-    (tmp_path/'train_plan_v4.md').write_text('the seeds wrote this')
+    (tmp_path / 'train_plan_v4.md').write_text('the seeds wrote this')
     p5 = write_plan(smoke, tmp_path)
     before = p5.read_bytes()
     p6 = write_plan(smoke, tmp_path)
     assert (p5.name, p6.name) == ('train_plan_v5.md', 'train_plan_v6.md')
-    assert (tmp_path/'train_plan_v4.md').read_text() == 'the seeds wrote this' and p5.read_bytes() == before
+    assert (tmp_path / 'train_plan_v4.md').read_text() == 'the seeds wrote this' and p5.read_bytes() == before
     assert p6.read_text().startswith('# Train plan v6: smoke')
     assert sorted(p.name for p in tmp_path.iterdir()) == ['train_plan_v4.md', 'train_plan_v5.md', 'train_plan_v6.md']
-    assert next_plan_path(tmp_path/'new').name == 'train_plan_v1.md'
+    assert next_plan_path(tmp_path / 'new').name == 'train_plan_v1.md'
 
 
 def test_kimi_recipe_checks():
     "The recipe loads, `eagle3nb recipe check` passes, and every phases.<key> holds only its notebook's parameters"
     from eagle3nb.cli import main
+
     r = load_recipe(KIMI)
     assert sum(d.count for d in r.datasets) == 100_000 and r.target.aux_layers == [2, 30, 58]
     main(['recipe', 'check', str(KIMI), '--elsewhere'])  # its data and model live on the cluster, not here
-    with pytest.raises(SystemExit): main(['recipe', 'check', str(KIMI)])  # here, the paths are missing: said, exit 1
-    nbs = {phase_key(s): p for s, p in phase_notebooks(ROOT/'nbs'/'phases').items()}
+    with pytest.raises(SystemExit):
+        main(['recipe', 'check', str(KIMI)])  # here, the paths are missing: said, exit 1
+    nbs = {phase_key(s): p for s, p in phase_notebooks(ROOT / 'nbs' / 'phases').items()}
     for key, params in r.phases.items():
         assert key in nbs, f'phases.{key}: no notebook nbs/phases/NN_{key}.ipynb'
         check_phase_params(nbs[key], params)
@@ -96,14 +109,18 @@ def test_kimi_recipe_checks():
 def _kimi_tokens(r):
     "Hidden-state tokens of the Kimi recipe, computed here from the recipe alone"
     p = r.phases['plan']
-    full = sum(d.count * p['dataset_tokens'].get(d.name, p['mean_tokens']) for d in r.datasets if d.kind != 'prompt_only')
+    full = sum(
+        d.count * p['dataset_tokens'].get(d.name, p['mean_tokens']) for d in r.datasets if d.kind != 'prompt_only'
+    )
     po = sum(d.count for d in r.datasets if d.kind == 'prompt_only')
     return full + po * (p['prompt_tokens'] + p['response_tokens'])
 
 
 def test_kimi_plan_without_data(tmp_path, monkeypatch, capsys):
-    d = yaml.safe_load(KIMI.read_text()); d['catalog'] = str(tmp_path/'no'/'catalog.duckdb')  # whatever this machine holds
-    kimi = tmp_path/KIMI.name; kimi.write_text(yaml.safe_dump(d, sort_keys=False))
+    d = yaml.safe_load(KIMI.read_text())
+    d['catalog'] = str(tmp_path / 'no' / 'catalog.duckdb')  # whatever this machine holds
+    kimi = tmp_path / KIMI.name
+    kimi.write_text(yaml.safe_dump(d, sort_keys=False))
     r = load_recipe(kimi)
     assert not Path(r.target.model).exists() and not Path(r.catalog).exists()
     Usage = namedtuple('Usage', 'total used free')
@@ -126,19 +143,33 @@ def test_kimi_plan_without_data(tmp_path, monkeypatch, capsys):
     f = plan_facts(r, version=2)
     assert f['hidden']['fits'] and 'does not fit' not in plan_markdown(f)
     cmds = '\n'.join(l for _, _, ls in f['commands'] for l in ls)
-    assert 'eagle3nb prepare --format xlam --input /data/raw/Salesforce/xlam-function-calling-60k --name xlam_60k' in cmds
-    assert '--nnodes 4' in cmds and 'eagle3nb extract RECIPE --modes bf16 --device-map auto' in cmds and 'torchrun --nproc_per_node 8 --no-python bash -c' in cmds
-    assert '--name xlam_60k --out /data/eagle3/kimi-k2.5-agentic-100k/prepared --count 20000 --seed 0 --license cc-by-4.0' in cmds
+    assert (
+        'eagle3nb prepare --format xlam --input /data/raw/Salesforce/xlam-function-calling-60k --name xlam_60k' in cmds
+    )
+    assert (
+        '--nnodes 4' in cmds
+        and 'eagle3nb extract RECIPE --modes bf16 --device-map auto' in cmds
+        and 'torchrun --nproc_per_node 8 --no-python bash -c' in cmds
+    )
+    assert (
+        '--name xlam_60k --out /data/eagle3/kimi-k2.5-agentic-100k/prepared --count 20000 --seed 0 --license cc-by-4.0'
+        in cmds
+    )
     assert '--speculative http://sglang-eagle3:30000/v1 --model kimi-k2.5' in cmds and '--concurrency 1,8,32' in cmds
 
 
 def test_phase_notebook_writes_into_run_dir(smoke, tmp_path):
     "Run as the runner runs it: the plan lands in run_dir with plan.json, and the commands name the original recipe"
-    rec = save_recipe(smoke, tmp_path/'recipe.yaml')
-    (tmp_path/'run.json').write_text(json.dumps(dict(run_id='r1', recipe_source='recipes/smoke.yaml')))
-    execute_phase(ROOT/'nbs'/'phases'/'90_plan.ipynb', tmp_path/'90_plan.ipynb', dict(recipe=str(rec), run_dir=str(tmp_path), gpus=2), stream=False)
-    j = json.loads((tmp_path/'plan.json').read_text())
-    assert Path(j['path']) == tmp_path/'train_plan_v1.md'
+    rec = save_recipe(smoke, tmp_path / 'recipe.yaml')
+    (tmp_path / 'run.json').write_text(json.dumps(dict(run_id='r1', recipe_source='recipes/smoke.yaml')))
+    execute_phase(
+        ROOT / 'nbs' / 'phases' / '90_plan.ipynb',
+        tmp_path / '90_plan.ipynb',
+        dict(recipe=str(rec), run_dir=str(tmp_path), gpus=2),
+        stream=False,
+    )
+    j = json.loads((tmp_path / 'plan.json').read_text())
+    assert Path(j['path']) == tmp_path / 'train_plan_v1.md'
     md = Path(j['path']).read_text()
     assert 'eagle3nb run recipes/smoke.yaml --run-id r1 --phases extract' in md and 'torchrun --nproc_per_node 2' in md
     assert j['summary']['datasets'].startswith('5 (5 from the catalog')
@@ -149,5 +180,8 @@ def test_phase_parameters_are_the_plan_params():
     import papermill as pm
     from dataclasses import asdict
     from eagle3nb.plan import PlanParams
-    ps = pm.inspect_notebook(str(ROOT/'nbs'/'phases'/'90_plan.ipynb'))
-    assert {k: eval(v['default']) for k, v in ps.items() if k not in ('recipe', 'run_dir', 'out')} == asdict(PlanParams())
+
+    ps = pm.inspect_notebook(str(ROOT / 'nbs' / 'phases' / '90_plan.ipynb'))
+    assert {k: eval(v['default']) for k, v in ps.items() if k not in ('recipe', 'run_dir', 'out')} == asdict(
+        PlanParams()
+    )

@@ -1,9 +1,17 @@
 "Direct chat-template render: the same text (or the same error) as tok.apply_chat_template, every family, on random conversations"
+
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from eagle3nb.render import (TEMPLATE_RENDERS, chat_text, direct_template, family_tokenizer, render_jsonl, template_messages,
-                             template_render)
+from eagle3nb.render import (
+    TEMPLATE_RENDERS,
+    chat_text,
+    direct_template,
+    family_tokenizer,
+    render_jsonl,
+    template_messages,
+    template_render,
+)
 from eagle3nb.schema import Reject
 from eagle3nb.toy import SAMPLE_TOOLS
 from test_render import FAMILIES, loop_chat, toks, toys  # noqa: F401 (fixtures)
@@ -11,13 +19,22 @@ from test_render_linear import build, turn
 
 
 def outcome(f, *a, **k):
-    try: return f(*a, **k)
-    except Exception as e: return type(e).__name__, str(e)
+    try:
+        return f(*a, **k)
+    except Exception as e:
+        return type(e).__name__, str(e)
 
 
 def reference(tok, ms, tools, thinking, gen):
-    return outcome(tok.apply_chat_template, ms, tools=tools or None, tokenize=False, add_generation_prompt=gen,
-                   thinking=thinking, enable_thinking=thinking)
+    return outcome(
+        tok.apply_chat_template,
+        ms,
+        tools=tools or None,
+        tokenize=False,
+        add_generation_prompt=gen,
+        thinking=thinking,
+        enable_thinking=thinking,
+    )
 
 
 @pytest.mark.parametrize('f', FAMILIES)
@@ -42,16 +59,26 @@ def test_tool_loop_prefixes_equal_apply_chat_template(toks, f, thinking):
     for i in range(1, len(ms) + 1):
         for tools in (None, SAMPLE_TOOLS):
             for gen in (True, False):
-                assert outcome(chat_text, toks[f], ms[:i], tools, thinking, gen) == reference(toks[f], ms[:i], tools, thinking, gen)
+                assert outcome(chat_text, toks[f], ms[:i], tools, thinking, gen) == reference(
+                    toks[f], ms[:i], tools, thinking, gen
+                )
     assert TEMPLATE_RENDERS['direct'] - n == 4 * len(ms)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
-@given(turns=st.lists(turn, min_size=1, max_size=3), f=st.sampled_from(FAMILIES), thinking=st.booleans(), tools=st.booleans(), gen=st.booleans())
+@given(
+    turns=st.lists(turn, min_size=1, max_size=3),
+    f=st.sampled_from(FAMILIES),
+    thinking=st.booleans(),
+    tools=st.booleans(),
+    gen=st.booleans(),
+)
 def test_random_conversations_equal_apply_chat_template(toks, turns, f, thinking, tools, gen):
     "Random text, system turns, tool calls and results, reasoning: every prefix renders as apply_chat_template renders it"
-    try: c = build(turns)
-    except Reject: return
+    try:
+        c = build(turns)
+    except Reject:
+        return
     ms, tl = template_messages(c['messages'], f, thinking), SAMPLE_TOOLS if tools else None
     for i in range(1, len(ms) + 1):
         assert outcome(chat_text, toks[f], ms[:i], tl, thinking, gen) == reference(toks[f], ms[:i], tl, thinking, gen)
@@ -67,6 +94,7 @@ def test_not_plain_input_goes_to_apply_chat_template(toks):
         Args:
             city: the city
         """
+
     hi, with_none = [dict(role='user', content='hi')], [dict(role='user', content='hi', name=None)]
     assert outcome(chat_text, tok, []) == reference(tok, [], None, True, True)
     assert chat_text(tok, with_none) == reference(tok, with_none, None, True, True) == chat_text(tok, hi)
@@ -75,6 +103,6 @@ def test_not_plain_input_goes_to_apply_chat_template(toks):
 
 
 def test_render_jsonl_says_how_the_template_rendered(toys, tmp_path):
-    src = tmp_path/'c.jsonl'
+    src = tmp_path / 'c.jsonl'
     src.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n')
-    assert render_jsonl(toys['kimi'], src, tmp_path/'out')['template_render'] == 'direct'
+    assert render_jsonl(toys['kimi'], src, tmp_path / 'out')['template_render'] == 'direct'

@@ -1,21 +1,32 @@
 "Integration tests of `eagle3nb.server` against a real `transformers serve` on kimi-tiny, through the `openai` client"
+
 import os, signal, subprocess, sys, time
 from pathlib import Path
 import pytest
 from openai import OpenAI, APIStatusError
 from transformers import AutoTokenizer
-from eagle3nb.server import (LocalServer, ModelMismatch, ServerNotReady, free_port, list_models, port_in_use,
-                             wait_for_server)
+from eagle3nb.server import (
+    LocalServer,
+    ModelMismatch,
+    ServerNotReady,
+    free_port,
+    list_models,
+    port_in_use,
+    wait_for_server,
+)
 
 PROMPT = 'The quick brown fox jumps over the lazy dog.'
 MESSAGES = [{'role': 'system', 'content': 'You are terse.'}, {'role': 'user', 'content': 'What is 2+2?'}]
 
 
 @pytest.fixture(scope='module')
-def client(toy_server): return OpenAI(base_url=toy_server.base_url, api_key='none', max_retries=0, timeout=60)
+def client(toy_server):
+    return OpenAI(base_url=toy_server.base_url, api_key='none', max_retries=0, timeout=60)
+
 
 @pytest.fixture(scope='module')
-def tok(kimi_tiny): return AutoTokenizer.from_pretrained(kimi_tiny)
+def tok(kimi_tiny):
+    return AutoTokenizer.from_pretrained(kimi_tiny)
 
 
 def check_usage(u, finish_reason, max_tokens):
@@ -23,7 +34,8 @@ def check_usage(u, finish_reason, max_tokens):
     assert 1 <= u.completion_tokens <= max_tokens
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens
     assert finish_reason in ('length', 'stop')
-    if finish_reason == 'length': assert u.completion_tokens == max_tokens
+    if finish_reason == 'length':
+        assert u.completion_tokens == max_tokens
 
 
 def test_lists_only_the_toy(toy_server, client):
@@ -42,22 +54,38 @@ def test_completion_usage_and_max_tokens(toy_server, client, tok, max_tokens):
 @pytest.mark.parametrize('max_tokens', [1, 8])
 def test_chat_usage_and_max_tokens(toy_server, client, tok, max_tokens):
     r = client.chat.completions.create(model=toy_server.model, messages=MESSAGES, max_tokens=max_tokens, temperature=0)
-    rendered = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True)['input_ids']
+    rendered = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True)[
+        'input_ids'
+    ]
     assert r.usage.prompt_tokens == len(rendered)  # rendered with the toy's (Kimi-K2-Thinking) chat template
     check_usage(r.usage, r.choices[0].finish_reason, max_tokens)
 
 
 def test_chat_renders_tools(toy_server, client, tok):
-    tools = [{'type': 'function', 'function': {'name': 'add', 'description': 'Add two integers',
-              'parameters': {'type': 'object', 'properties': {'a': {'type': 'integer'}, 'b': {'type': 'integer'}}}}}]
-    r = client.chat.completions.create(model=toy_server.model, messages=MESSAGES, tools=tools, max_tokens=2, temperature=0)
-    rendered = tok.apply_chat_template(MESSAGES, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True)['input_ids']
+    tools = [
+        {
+            'type': 'function',
+            'function': {
+                'name': 'add',
+                'description': 'Add two integers',
+                'parameters': {'type': 'object', 'properties': {'a': {'type': 'integer'}, 'b': {'type': 'integer'}}},
+            },
+        }
+    ]
+    r = client.chat.completions.create(
+        model=toy_server.model, messages=MESSAGES, tools=tools, max_tokens=2, temperature=0
+    )
+    rendered = tok.apply_chat_template(
+        MESSAGES, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True
+    )['input_ids']
     assert r.usage.prompt_tokens == len(rendered)
 
 
 def test_greedy_is_deterministic(toy_server, client):
-    texts = {client.completions.create(model=toy_server.model, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
-             for _ in range(2)}
+    texts = {
+        client.completions.create(model=toy_server.model, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+        for _ in range(2)
+    }
     assert len(texts) == 1
 
 
@@ -69,49 +97,61 @@ def test_other_model_names_are_refused(toy_server, client):
 
 def test_not_ready_names_url_and_fix():
     url = f'http://127.0.0.1:{free_port()}/v1'
-    with pytest.raises(ServerNotReady) as e: wait_for_server(url, timeout=0.5)
+    with pytest.raises(ServerNotReady) as e:
+        wait_for_server(url, timeout=0.5)
     msg = str(e.value)
     assert f'{url}/models' in msg and 'after 0.' in msg and 'eagle3nb serve MODEL_DIR --port' in msg
 
 
 def test_detects_a_server_of_another_model(toy_server):
     t0 = time.monotonic()
-    with pytest.raises(ModelMismatch) as e: wait_for_server(toy_server.base_url, '/models/qwen3-tiny', timeout=30)
+    with pytest.raises(ModelMismatch) as e:
+        wait_for_server(toy_server.base_url, '/models/qwen3-tiny', timeout=30)
     assert time.monotonic() - t0 < 5  # fails at once: waiting would not help
     assert "'/models/qwen3-tiny'" in str(e.value) and toy_server.model in str(e.value)
 
 
 def test_refuses_a_taken_port(toy_server, kimi_tiny):
-    with pytest.raises(OSError, match=f'port {toy_server.port} .* is in use'): LocalServer(kimi_tiny, port=toy_server.port).start()
+    with pytest.raises(OSError, match=f'port {toy_server.port} .* is in use'):
+        LocalServer(kimi_tiny, port=toy_server.port).start()
 
 
 def test_dead_server_fails_fast_with_its_log(tmp_path):
-    srv = LocalServer(tmp_path, log_path=tmp_path/'server.log')  # an empty dir: no model to load
+    srv = LocalServer(tmp_path, log_path=tmp_path / 'server.log')  # an empty dir: no model to load
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match='exited with code 1 before it was ready') as e: srv.__enter__()
-    assert time.monotonic() - t0 < 60 and str(tmp_path/'server.log') in str(e.value)
+    with pytest.raises(RuntimeError, match='exited with code 1 before it was ready') as e:
+        srv.__enter__()
+    assert time.monotonic() - t0 < 60 and str(tmp_path / 'server.log') in str(e.value)
     assert not srv.running
 
 
 def test_startup_timeout_says_how_long_and_where_the_log_is(kimi_tiny, tmp_path):
-    srv = LocalServer(kimi_tiny, log_path=tmp_path/'server.log').start()  # importing torch alone takes longer than 0.1 s
+    srv = LocalServer(
+        kimi_tiny, log_path=tmp_path / 'server.log'
+    ).start()  # importing torch alone takes longer than 0.1 s
     try:
-        with pytest.raises(ServerNotReady, match=f"within 0.1 s: still loading, or hung. Its log is {tmp_path/'server.log'}"):
+        with pytest.raises(
+            ServerNotReady, match=f"within 0.1 s: still loading, or hung. Its log is {tmp_path / 'server.log'}"
+        ):
             srv.wait_ready(timeout=0.1)
-    finally: srv.stop()
+    finally:
+        srv.stop()
     assert not srv.running
 
 
 def test_stop_frees_port_and_pid(kimi_tiny, tmp_path):
-    with LocalServer(kimi_tiny, log_path=tmp_path/'server.log') as srv:
+    with LocalServer(kimi_tiny, log_path=tmp_path / 'server.log') as srv:
         pid, port, url = srv.pid, srv.port, srv.base_url
         assert os.getpgid(pid) == pid  # its own process group
         assert list_models(url) == [srv.model]
     assert srv.proc.returncode == -signal.SIGTERM  # clean exit on SIGTERM, no SIGKILL needed
-    with pytest.raises(ProcessLookupError): os.kill(pid, 0)
-    with pytest.raises(ProcessLookupError): os.killpg(pid, 0)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)
     assert not port_in_use(port)
-    with pytest.raises(OSError): list_models(url, timeout=2)
+    with pytest.raises(OSError):
+        list_models(url, timeout=2)
 
 
 def test_serve_runs_in_the_foreground_until_ctrl_c(kimi_tiny):
@@ -124,14 +164,17 @@ def test_serve_runs_in_the_foreground_until_ctrl_c(kimi_tiny):
         seen = []
         for line in p.stdout:  # its banner, then Ctrl-C: readiness, not a clock
             seen.append(line)
-            if 'Ctrl-C to stop' in line: break
+            if 'Ctrl-C to stop' in line:
+                break
         p.send_signal(signal.SIGINT)  # what Ctrl-C sends
         out, _ = p.communicate(timeout=120)
         out = ''.join(seen) + out
     finally:
         if p.poll() is None:  # SIGINT, not SIGKILL: `serve` must get to stop its server
             p.send_signal(signal.SIGINT)
-            try: p.wait(30)
-            except subprocess.TimeoutExpired: p.kill()
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
     assert f'base_url: http://127.0.0.1:{port}/v1' in out and 'Stopping the server' in out
     assert not port_in_use(port)

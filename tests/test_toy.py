@@ -1,4 +1,5 @@
 "Integration checks of `eagle3nb.toy` that need fresh processes or long inputs (the notebook covers the rest)."
+
 import hashlib, json, os, subprocess, sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -10,57 +11,74 @@ from eagle3nb.toy import TOYS, BASE_TOYS, SAMPLE_TOOLS, build_toy, ensure_toy, s
 
 ENV = {**os.environ, 'OMP_NUM_THREADS': '1', 'HF_HUB_OFFLINE': '1', 'TOKENIZERS_PARALLELISM': 'false'}
 
-def digest(d): return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(Path(d).iterdir())}
+
+def digest(d):
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(Path(d).iterdir())}
+
 
 def build_in_subprocess(name, out):
     "Build in a fresh interpreter, as `eagle3nb toy build` would"
     code = f"from eagle3nb.toy import build_toy; print(build_toy({name!r}, {str(out)!r}))"
     return subprocess.run([sys.executable, '-c', code], env=ENV, capture_output=True, text=True, timeout=120)
 
+
 @pytest.mark.parametrize('name', BASE_TOYS)
 def test_same_bytes_across_processes(tmp_path, name):
     "Two fresh processes (different hash seeds) build byte-identical directories"
     for d in ('a', 'b'):
-        r = build_in_subprocess(name, tmp_path/d)
+        r = build_in_subprocess(name, tmp_path / d)
         assert r.returncode == 0, r.stderr
-    assert digest(tmp_path/'a') == digest(tmp_path/'b')
+    assert digest(tmp_path / 'a') == digest(tmp_path / 'b')
+
 
 def test_concurrent_builds_agree(tmp_path):
     "Two processes racing to build the same directory both succeed and leave one complete build"
     with ThreadPoolExecutor(2) as ex:
-        rs = list(ex.map(lambda _: build_in_subprocess('qwen3-tiny', tmp_path/'q'), range(2)))
+        rs = list(ex.map(lambda _: build_in_subprocess('qwen3-tiny', tmp_path / 'q'), range(2)))
     assert all(r.returncode == 0 for r in rs), [r.stderr for r in rs]
-    assert json.loads((tmp_path/'q'/'eagle3nb_toy.json').read_text())['name'] == 'qwen3-tiny'
+    assert json.loads((tmp_path / 'q' / 'eagle3nb_toy.json').read_text())['name'] == 'qwen3-tiny'
     assert [p.name for p in tmp_path.iterdir()] == ['q']  # no temp or old folders left
+
 
 @pytest.mark.parametrize('name', BASE_TOYS)
 def test_loads_renders_and_generates(tmp_path, name):
     "The directory loads with the Auto classes, renders the sample chat and generates"
-    d = ensure_toy(name, tmp_path/name)
+    d = ensure_toy(name, tmp_path / name)
     tok, m = AutoTokenizer.from_pretrained(d), AutoModelForCausalLM.from_pretrained(d)
     kw = {TOYS[name].thinking_kwarg: True}
-    text = tok.apply_chat_template(sample_chat(name), tools=SAMPLE_TOOLS, tokenize=False, add_generation_prompt=True, **kw)
+    text = tok.apply_chat_template(
+        sample_chat(name), tools=SAMPLE_TOOLS, tokenize=False, add_generation_prompt=True, **kw
+    )
     ids = tok.encode(text, add_special_tokens=False)
-    for t, i in special_tokens(name).items(): assert ids.count(i) == text.count(t), t
-    x = tok.apply_chat_template(sample_chat(name), tools=SAMPLE_TOOLS, add_generation_prompt=True, return_tensors='pt', **kw)
+    for t, i in special_tokens(name).items():
+        assert ids.count(i) == text.count(t), t
+    x = tok.apply_chat_template(
+        sample_chat(name), tools=SAMPLE_TOOLS, add_generation_prompt=True, return_tensors='pt', **kw
+    )
     y = m.generate(**x, max_new_tokens=8, do_sample=False)
     assert y.shape[1] <= x['input_ids'].shape[1] + 8
     y2 = m.generate(**x, max_new_tokens=8, do_sample=False)
     assert torch.equal(y, y2)  # greedy is deterministic
 
+
 @pytest.mark.parametrize('name', BASE_TOYS)
 def test_10k_context_forward(tmp_path, name):
     "A 10K-token forward pass (the project's context length) gives finite logits and all hidden states"
-    d = ensure_toy(name, tmp_path/name)
+    d = ensure_toy(name, tmp_path / name)
     m = AutoModelForCausalLM.from_pretrained(d)
     x = torch.randint(0, TOYS[name].n_bpe, (1, 10_240), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad(): o = m(x, output_hidden_states=True, logits_to_keep=16)
+    with torch.no_grad():
+        o = m(x, output_hidden_states=True, logits_to_keep=16)
     assert len(o.hidden_states) == m.config.num_hidden_layers + 1
     assert o.hidden_states[-1].shape == (1, 10_240, m.config.hidden_size)
     assert torch.isfinite(o.logits).all()
 
+
 def test_cli_shaped_errors(tmp_path):
     "Errors name the path and the way out"
-    (tmp_path/'mine').mkdir(); (tmp_path/'mine'/'x').write_text('x')
-    with pytest.raises(FileExistsError, match='choose another --out'): build_toy('kimi-tiny', tmp_path/'mine')
-    with pytest.raises(ValueError, match='known toys: kimi-tiny, qwen3-tiny'): build_toy('gpt-tiny', tmp_path/'g')
+    (tmp_path / 'mine').mkdir()
+    (tmp_path / 'mine' / 'x').write_text('x')
+    with pytest.raises(FileExistsError, match='choose another --out'):
+        build_toy('kimi-tiny', tmp_path / 'mine')
+    with pytest.raises(ValueError, match='known toys: kimi-tiny, qwen3-tiny'):
+        build_toy('gpt-tiny', tmp_path / 'g')
