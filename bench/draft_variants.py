@@ -14,7 +14,7 @@ On kimi-tiny the Llama (MHA) variants need VLLM_MLA_DISABLE=1 next to the MLA ta
 block size otherwise); the mla variants run with MLA on. One baseline server per setting is shared.
 """
 
-import argparse, json, statistics, sys, tempfile, time
+import argparse, json, tempfile, time
 from pathlib import Path
 import torch
 
@@ -89,16 +89,18 @@ def run_variant(name, opts, ts, c, out):
 
 def serve(rows, ts, c):
     "Served accept length of every export, one shared baseline per VLLM_MLA_DISABLE setting"
-    from eagle3nb.engine import VllmServer, _is_mla
+    from eagle3nb.engine import is_mla
+    from eagle3nb.phase import EngineSession
     from eagle3nb.verify import verify
     from eagle3nb.toy import ensure_toy
 
     target = ensure_toy(c.toy)
     prompts = [s['input_ids'][:16].tolist() for s in ts['train']]
-    for off in sorted({_is_mla(target) and not _is_mla(r['export']) for r in rows}):
-        with VllmServer(target, mla_disable=off) as base:  # ready on entry (a real completion), stopped on exit
-            for r in (r for r in rows if (_is_mla(target) and not _is_mla(r['export'])) == off):
-                v = verify(r['export'], target, prompts, c.max_tokens, c.k, baseline=base, mla_disable=off)
+    mla_off = lambda r: is_mla(target) and not is_mla(r['export'])  # VLLM_MLA_DISABLE=1 for this export
+    for off in sorted({mla_off(r) for r in rows}):
+        with EngineSession.of(target) as es:  # its baseline is started once and shared; stopped on exit
+            for r in (r for r in rows if mla_off(r) == off):
+                v = verify(r['export'], target, prompts, c.max_tokens, c.k, engines=es, mla_disable=off)
                 r.update(
                     served=round(v['accept_length'], 3) if v.get('loaded') else None,
                     greedy=f"{v.get('greedy_identical')}/{len(prompts)}",

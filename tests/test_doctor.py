@@ -355,3 +355,39 @@ def test_full_vocab_export_passes(kimi_tiny, tmp_path):
     df = doctor(d, kimi_tiny).set_index('check')
     assert (df.status != 'FAIL').all(), df.to_dict('index')
     assert 'carries no d2t/t2d' in df.detail['vocab_maps']
+
+
+def _no_engine(*a, **k):
+    return False
+
+
+def test_engine_row_fails_when_an_engine_is_required_but_missing(good, kimi_tiny, monkeypatch, capsys):
+    "EAGLE3NB_REQUIRE_ENGINE=1 (make test) with no vLLM: the engine row is a FAIL and the verb exits 1, never a skip"
+    import eagle3nb.engine
+
+    monkeypatch.setattr(eagle3nb.engine, 'engine_available', _no_engine)
+    monkeypatch.delenv('EAGLE3NB_REQUIRE_ENGINE', raising=False)
+    row = doctor(good, kimi_tiny, engine=True).set_index('check').loc['engine']
+    assert row.status == 'n/a' and 'no vLLM engine here' in row.detail  # not required: nothing to say
+    assert doctor_cli(good, kimi_tiny) == 0  # the CLI's default asks the row only where it can run
+    monkeypatch.setenv('EAGLE3NB_REQUIRE_ENGINE', '1')
+    row = doctor(good, kimi_tiny, engine=True).set_index('check').loc['engine']
+    assert row.status == 'FAIL' and 'EAGLE3NB_REQUIRE_ENGINE is set' in row.detail
+    capsys.readouterr()
+    assert doctor_cli(good, kimi_tiny) == 1  # required: the CLI's default runs the row, and it fails
+    err = capsys.readouterr().err
+    assert 'eagle3nb doctor: error: engine: no vLLM engine here' in err
+
+
+def test_engine_row_fails_when_vllm_refuses_the_draft(good, kimi_tiny, monkeypatch):
+    "An engine that does not load the draft, or changes greedy output, is a FAIL with the reason"
+    import eagle3nb.engine
+
+    monkeypatch.setattr(eagle3nb.engine, 'engine_available', lambda *a, **k: True)
+    served = dict(loaded=False, error='KeyError: midlayer.fc.weight', warnings=[])
+    monkeypatch.setattr(eagle3nb.engine, 'verify_served', lambda *a, **k: served)
+    row = doctor(good, kimi_tiny, engine=True).set_index('check').loc['engine']
+    assert row.status == 'FAIL' and 'vLLM did not serve the draft: KeyError: midlayer.fc.weight' in row.detail
+    served = dict(loaded=True, warnings=[], greedy_identical=3, accepted=5, draft_tokens=9, accept_length=1.5)
+    row = doctor(good, kimi_tiny, engine=True).set_index('check').loc['engine']
+    assert row.status == 'FAIL' and 'greedy output changed with the draft on 1 of 4 prompts' in row.detail

@@ -345,11 +345,17 @@ FSDP_CHILD = textwrap.dedent('''
     torch.set_num_threads(1)
     ts = toy_samples(n=4, new_tokens=8, eval_n=1)
     d2t, t2d = vocab_maps(top_k_ids(ts['counts'] + 1, 256), ts['V'])
-    cfg = TrainConfig(ttt_steps=3, lr=1e-3, warmup_steps=2, max_steps=4, batch_size=int(sys.argv[2]), ckpt_every=2, eval_every=2, log_every=1)
+    bs = int(sys.argv[2])
+    cfg = TrainConfig(
+        ttt_steps=3, lr=1e-3, warmup_steps=2, max_steps=4, batch_size=bs, ckpt_every=2, eval_every=2, log_every=1
+    )
     stop = int(sys.argv[4]) if len(sys.argv) > 4 else None  # a simulated kill after that step
-    try: train(new_draft(ts['config'], ts['embed'], d2t, t2d, seed=3), ts['train'], sys.argv[1], cfg, eval_samples=ts['eval'],
-               fsdp=sys.argv[3] == 'fsdp', stop_after=stop, log=lambda *_: None)
-    except Stopped: sys.exit(3)
+    draft = new_draft(ts['config'], ts['embed'], d2t, t2d, seed=3)
+    kw = dict(eval_samples=ts['eval'], fsdp=sys.argv[3] == 'fsdp', stop_after=stop, log=lambda *_: None)
+    try:
+        train(draft, ts['train'], sys.argv[1], cfg, **kw)
+    except Stopped:
+        sys.exit(3)
 ''')
 
 
@@ -451,3 +457,53 @@ def test_fsdp_resume_after_kill(tmp_path):
         timeout=300,
     )
     assert p.returncode != 0 and 'was written by an FSDP run' in p.stderr
+
+
+PHASE_CHILD = textwrap.dedent('''
+    import sys, torch
+    from eagle3nb.phase import RunContext
+    from eagle3nb.phases import train
+
+    torch.set_num_threads(1)
+    ctx = RunContext.open('', sys.argv[1])
+    p = dict(max_steps=4, warmup_steps=2, batch_size=int(sys.argv[2]), ckpt_every=2, eval_every=2, ttt_steps=3)
+    rec = train.run(ctx, p)
+    print(f'rank {ctx.rank} of {ctx.world}: {rec.headline()}')
+''')
+
+
+@pytest.mark.skipif(_fsdp_cpu_reason() is not None, reason=str(_fsdp_cpu_reason()))
+def test_train_phase_under_torchrun(tmp_path):
+    "The train phase under torchrun (2 gloo ranks, DDP, batch 1 each) trains what one process with batch 2 trains"
+    import json
+    from safetensors.torch import load_file
+    from eagle3nb.phases.train import run as train_phase
+
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    script = tmp_path / 'child.py'
+    script.write_text(PHASE_CHILD)
+    torchrun = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2']
+    r = subprocess.run(
+        [*torchrun, str(script), str(tmp_path / 'ddp'), '1'], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert 'rank 0 of 2: eval accept length' in r.stdout and 'rank 1 of 2: eval accept length' in r.stdout
+    subprocess.run([sys.executable, str(script), str(tmp_path / 'one'), '2'], env=env, check=True, timeout=600)
+    A, B = (load_file(str(tmp_path / d / 'checkpoints' / 'step_4' / 'model.safetensors')) for d in ('ddp', 'one'))
+    assert A.keys() == B.keys()
+    for k in A:
+        torch.testing.assert_close(A[k], B[k], rtol=1e-4, atol=1e-5, msg=k)
+    ddp, one = train_phase.read(tmp_path / 'ddp'), train_phase.read(tmp_path / 'one')
+    assert (ddp.ranks, one.ranks, ddp.steps, ddp.checkpoint) == (
+        2,
+        1,
+        4,
+        str(tmp_path / 'ddp' / 'checkpoints' / 'step_4'),
+    )
+    assert json.loads((tmp_path / 'ddp' / 'accept.json').read_text()) == ddp.accept
+    assert list(ddp.accept) == list(one.accept) == ['eval all (init)', 'eval all', 'train all']
+    for row in ddp.accept:
+        for c, v in ddp.accept[row].items():
+            assert math.isclose(v, one.accept[row][c], rel_tol=1e-3, abs_tol=2e-3), (row, c)
+    evals = [m['step'] for m in read_metrics(tmp_path / 'ddp') if m['split'] == 'eval']
+    assert evals == [2, 4]  # rank 0 alone writes the metrics log

@@ -202,16 +202,13 @@ def test_variant_plant_is_caught(name, exports, kimi_tiny, tmp_path):
 
 
 @pytest.fixture(scope='module')
-def qwen3_base():
-    "One running baseline server of qwen3-tiny, shared by the module"
+def qwen3_engines():
+    "One engine session of qwen3-tiny for the module: its baseline server starts once and serves every test"
+    from eagle3nb.phase import EngineSession
     from eagle3nb.toy import ensure_toy
 
-    srv = VllmServer(ensure_toy('qwen3-tiny')).start()
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
+    with EngineSession.of(ensure_toy('qwen3-tiny')) as es:
+        yield es
 
 
 def _served_as_trained(r, df, log: Path):
@@ -226,13 +223,13 @@ def _served_as_trained(r, df, log: Path):
 
 @needs_engine
 @pytest.mark.parametrize('flag', ['fc_norm', 'norm_before_fc', 'norm_output'])
-def test_verify_llama_flag_qwen3(flag, qwen3_base, tmp_path):
+def test_verify_llama_flag_qwen3(flag, qwen3_engines, tmp_path):
     "A Llama draft trained with one 3.1 flag loads in vLLM, greedy output is identical, served acceptance = offline"
     from eagle3nb.verify import verify, verify_rows
 
     d, prompts, target = variant_export('qwen3-tiny', tmp_path, **{flag: True})
     assert json.loads((d / 'config.json').read_text())[flag] is True
-    r = verify(d, target, prompts, MAX_TOKENS, 3, baseline=qwen3_base, log_dir=tmp_path)
+    r = verify(d, target, prompts, MAX_TOKENS, 3, engines=qwen3_engines, log_dir=tmp_path)
     df = verify_rows(r)
     print(f'qwen3-tiny {flag}\n{df.to_string(index=False)}')
     _served_as_trained(r, df, tmp_path / 'spec.log')
@@ -255,25 +252,17 @@ def test_verify_mla_kimi(tmp_path):
 
 def test_phase_train_takes_draft_block(tmp_path):
     "phases.train.draft reaches the train phase: a smoke run with {arch: mla, fc_norm: true} checkpoints that draft"
-    import papermill as pm
+    from pydantic import ValidationError
     from safetensors import safe_open
+    from eagle3nb.phase import RunContext
+    from eagle3nb.phases import train
 
-    nb = Path(__file__).parents[1] / 'nbs' / 'phases' / '60_train.ipynb'
-    pm.execute_notebook(
-        str(nb),
-        str(tmp_path / '60_train.ipynb'),
-        cwd=str(nb.parent),
-        progress_bar=False,
-        parameters=dict(
-            run_dir=str(tmp_path / 'run'),
-            max_steps=4,
-            ckpt_every=4,
-            eval_every=4,
-            ttt_steps=2,
-            draft={'arch': 'mla', 'fc_norm': True},
-        ),
-    )
-    with safe_open(str(tmp_path / 'run' / 'checkpoints' / 'step_4' / 'model.safetensors'), 'pt') as f:
+    ctx = RunContext.open('', tmp_path / 'run')
+    p = dict(max_steps=4, ckpt_every=4, eval_every=4, ttt_steps=2, draft={'arch': 'mla', 'fc_norm': True})
+    rec = train.run(ctx, p)
+    ck = Path(rec.checkpoint)
+    assert ck == tmp_path / 'run' / 'checkpoints' / 'step_4'
+    with safe_open(str(ck / 'model.safetensors'), 'pt') as f:
         dc, names = json.loads(f.metadata()['draft_config']), set(f.keys())
     assert (dc['arch'], dc['fc_norm'], dc['kv_lora_rank'], dc['rope_scaling']['rope_type']) == (
         'mla',
@@ -282,11 +271,7 @@ def test_phase_train_takes_draft_block(tmp_path):
         'yarn',
     )
     assert 'midlayer.self_attn.kv_a_proj_with_mqa.weight' in names and 'fc_norm.2.weight' in names
-    with pytest.raises(pm.PapermillExecutionError, match='phases.train.draft.norm: unknown'):
-        pm.execute_notebook(
-            str(nb),
-            str(tmp_path / 'bad.ipynb'),
-            cwd=str(nb.parent),
-            progress_bar=False,
-            parameters=dict(run_dir=str(tmp_path / 'run2'), max_steps=2, draft={'norm': True}),
-        )
+    assert (rec.draft['arch'], rec.draft['fc_norm']) == ('mla', True)
+    with pytest.raises(ValidationError, match='phases.train.draft.norm: unknown'):
+        train.run(RunContext.open('', tmp_path / 'run2'), max_steps=2, draft={'norm': True})
+    assert not (tmp_path / 'run2' / 'checkpoints').exists()  # refused before any training

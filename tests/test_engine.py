@@ -1,16 +1,18 @@
 """The real engine in the loop: vLLM (the CPU build from `make engine`) serves the toy targets and our exported drafts.
 
 Every draft here is trained on its toy target's own greedy continuations and exported with `export_draft`; `verify`
-serves it beside the target alone. At most two engine servers run at once (one shared baseline + one speculative).
+serves it beside the target alone. At most two engine servers run at once: one baseline, which the module's
+`EngineSession` starts once and every verify of qwen3 reuses, and one speculative server per verify.
 """
 
-import json, os, re, shutil, subprocess
+import json, os, shutil
 from pathlib import Path
-import pytest, torch
+import pytest
 from safetensors.torch import load_file, save_file
 
-from eagle3nb.engine import VllmServer, engine_available, spec_counters, vllm_version, _group_pids
-from eagle3nb.verify import verify, verify_rows, verify_cli, JSON_KEYS
+from eagle3nb.engine import engine_available, group_pids, vllm_version
+from eagle3nb.phase import EngineSession
+from eagle3nb.verify import verify, verify_rows, JSON_KEYS, toy_export as toy_export_
 from eagle3nb.server import rss_mb
 
 pytestmark = pytest.mark.skipif(
@@ -21,46 +23,27 @@ N_PROMPTS, MAX_TOKENS = 6, 24
 
 
 def toy_export(name: str, out: Path, steps: int = 150) -> tuple:  # export dir, prompts (token-id lists), target dir
-    "Train a full-vocabulary draft on toy `name`'s greedy continuations (the `train` loop), export it; the prompts it saw"
-    from eagle3nb.draft import new_draft
-    from eagle3nb.train import toy_samples, train, TrainConfig, latest_checkpoint
-    from eagle3nb.export import export_draft
+    "A full-vocabulary draft trained on toy `name`'s greedy continuations (`verify.toy_export`); the prompts it saw"
     from eagle3nb.toy import ensure_toy
 
-    ts = toy_samples(n=N_PROMPTS, new_tokens=MAX_TOKENS + 8, name=name)
-    V = ts['V']
-    dr = new_draft(
-        ts['config'],
-        ts['embed'],
-        torch.zeros(V, dtype=torch.long),
-        torch.ones(V, dtype=torch.bool),
-        lm_head=ts['lm_head'],
-    )
-    cfg = TrainConfig(
-        max_steps=steps, warmup_steps=10, lr=3e-3, ckpt_every=steps, eval_every=steps, log_every=steps, ttt_steps=5
-    )
-    train(dr, ts['train'], out / 'run', cfg, log=lambda *a: None)
-    export_draft(latest_checkpoint(out / 'run'), out / 'export', ensure_toy(name))
-    return out / 'export', [s['input_ids'][:16].tolist() for s in ts['train']], ensure_toy(name)
+    d, prompts = toy_export_(name, out, N_PROMPTS, MAX_TOKENS + 8, steps, ttt_steps=5)
+    return d, prompts, ensure_toy(name)
 
 
 @pytest.fixture(scope='module')
 def qwen3(tmp_path_factory):
-    "qwen3-tiny, a trained export of it, its prompts, and one running baseline server shared by the module"
+    "qwen3-tiny, a trained export of it, its prompts, and the module's session with its running baseline server"
     d, prompts, target = toy_export('qwen3-tiny', tmp_path_factory.mktemp('qwen3'))
-    srv = VllmServer(target).start()
-    try:
-        srv.wait_ready()
-        yield dict(export=d, prompts=prompts, target=target, base=srv)
-    finally:
-        srv.stop()
+    with EngineSession.of(target) as es:
+        base = es.baseline()  # started here, ready (a real completion), stopped when the module ends
+        yield dict(export=d, prompts=prompts, target=target, engines=es, base=base.server)
 
 
 def test_engine_server_ready_and_loopback(qwen3):
     "Ready means a completion succeeded; every TCP port the engine's processes listen on is on loopback"
     srv = qwen3['base']
     assert srv.ready_s is not None and srv.running
-    pids = _group_pids(srv.pid)
+    pids = group_pids(srv.pid)
     assert len(pids) >= 3, pids  # API server, engine core, worker
     mb = sum(rss_mb(p) or 0 for p in pids)
     print(f'vLLM server: ready in {srv.ready_s:.1f} s, RSS {mb:.0f} MB over {len(pids)} processes')
@@ -100,7 +83,7 @@ def test_engine_server_ready_and_loopback(qwen3):
 def test_verify_qwen3(qwen3, k, tmp_path):
     "The trained export loads, greedy output is identical at every k, the engine accepts drafts; offline estimate beside it"
     r = verify(
-        qwen3['export'], qwen3['target'], qwen3['prompts'], MAX_TOKENS, k, baseline=qwen3['base'], log_dir=tmp_path
+        qwen3['export'], qwen3['target'], qwen3['prompts'], MAX_TOKENS, k, engines=qwen3['engines'], log_dir=tmp_path
     )
     df = verify_rows(r)
     print(f'qwen3-tiny k={k}\n{df.to_string(index=False)}')
@@ -110,6 +93,7 @@ def test_verify_qwen3(qwen3, k, tmp_path):
     assert r['accept_length'] == pytest.approx(1 + r['accepted'] / r['drafts'])
     assert abs(r['accept_length'] - r['offline_accept_length']) < 0.15 * r['offline_accept_length']
     assert 'Using auxiliary layers' in (tmp_path / 'spec.log').read_text()
+    assert qwen3['engines'].started == [qwen3['base']]  # the speculative server stopped, the one baseline reused
 
 
 def _plant(src: Path, dst: Path, fault: str) -> Path:
@@ -137,7 +121,7 @@ def _plant(src: Path, dst: Path, fault: str) -> Path:
 def test_verify_fails_broken_export(qwen3, fault, says, tmp_path):
     "A planted fault fails verify, with the engine's own words in the failing row"
     d = _plant(qwen3['export'], tmp_path / 'bad', fault)
-    r = verify(d, qwen3['target'], qwen3['prompts'][:2], 8, 3, offline=False, baseline=qwen3['base'])
+    r = verify(d, qwen3['target'], qwen3['prompts'][:2], 8, 3, offline=False, engines=qwen3['engines'])
     df = verify_rows(r)
     print(f'{fault}:\n{df.to_string(index=False)}')
     assert df.status[0] == 'FAIL' and says in df.detail[0], df.to_string()
@@ -186,8 +170,8 @@ def test_verify_kimi(tmp_path):
 def test_engine_stop_cleans_up(qwen3):
     "Last in the module: stopping the shared server ends its whole process group and removes what it left"
     srv = qwen3['base']
-    pids = _group_pids(srv.pid)
+    pids = group_pids(srv.pid)
     assert srv.stop() is not None
-    assert _group_pids(srv.pid) == [] and not srv.running
+    assert group_pids(srv.pid) == [] and not srv.running
     assert not [f for p in pids for f in Path('/dev/shm').glob(f'__KMP_REGISTERED_LIB_{p}*')]
     assert [f.name for f in srv.tmp.iterdir()] == ['server.log']

@@ -8,7 +8,7 @@ from transformers import AutoConfig
 from eagle3nb.draft import new_draft
 from eagle3nb.recipe import default_aux_layers
 from eagle3nb.train import save_checkpoint, TrainConfig
-from eagle3nb.export import export_draft, check_export, ExportError
+from eagle3nb.export import export_draft, check_export, random_checkpoint, ExportError
 
 
 @pytest.fixture
@@ -184,3 +184,19 @@ def test_cli_export_reads_target_and_data_from_the_run(ckpt, kimi_tiny, tmp_path
     main(['export', str(ck), '--out', str(tmp_path / 'out')])
     assert json.loads(capsys.readouterr().out)['problems'] == []
     assert json.loads((tmp_path / 'out' / 'eagle3nb.json').read_text())['aux_layers'] == [1, 3, 5]
+
+
+def test_random_checkpoint_exports(kimi_tiny, tmp_path):
+    "A smoke run's checkpoint: the draft vocab asked for, every weight moved by the noise, and it exports cleanly"
+    ids = torch.arange(32) * 3 + 1
+    ck = random_checkpoint(kimi_tiny, tmp_path / 'run', ids, step=4, noise=0.05)
+    assert ck == tmp_path / 'run' / 'checkpoints' / 'step_4'
+    export_draft(ck, tmp_path / 'out', kimi_tiny)
+    assert check_export(tmp_path / 'out') == []
+    w = load_file(str(tmp_path / 'out' / 'model.safetensors'))
+    assert torch.equal(torch.arange(32) + w['d2t'], ids) and int(w['t2d'].sum()) == 32
+    plain = random_checkpoint(kimi_tiny, tmp_path / 'plain', ids, step=4)  # the same init, no noise
+    export_draft(plain, tmp_path / 'out_plain', kimi_tiny)
+    w0 = load_file(str(tmp_path / 'out_plain' / 'model.safetensors'))
+    assert torch.equal(w0['norm.weight'].float(), torch.ones_like(w0['norm.weight'].float()))  # RMSNorm init: ones
+    assert all(not torch.equal(w[k], w0[k]) for k in w if w[k].is_floating_point())  # noise moved every weight

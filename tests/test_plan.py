@@ -176,12 +176,11 @@ def test_phase_notebook_writes_into_run_dir(smoke, tmp_path):
 
 
 def test_phase_parameters_are_the_plan_params():
-    "The phase notebook's parameters are PlanParams' fields with the same defaults (plus recipe, run_dir, out)"
+    "The plan phase's parameters are PlanParams' fields with the same defaults, plus out; its notebook cell agrees"
     import papermill as pm
-    from dataclasses import asdict
     from eagle3nb.plan import PlanParams
+    from eagle3nb.phases.plan import Params
 
     ps = pm.inspect_notebook(str(ROOT / 'nbs' / 'phases' / '90_plan.ipynb'))
-    assert {k: eval(v['default']) for k, v in ps.items() if k not in ('recipe', 'run_dir', 'out')} == asdict(
-        PlanParams()
-    )
+    assert {k: eval(v['default']) for k, v in ps.items() if k not in ('recipe', 'run_dir')} == Params.defaults()
+    assert {k: v for k, v in Params.defaults().items() if k != 'out'} == PlanParams.defaults()

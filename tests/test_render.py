@@ -26,7 +26,7 @@ from eagle3nb.toy import SAMPLE_TOOLS, ensure_toy, sample_chat, template
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / 'tests' / 'fixtures' / 'datasets'
-REFS = Path('/work/shared/fixtures/reference_ids')
+REFS = ROOT / 'tests' / 'fixtures' / 'reference_ids'  # SpecForge's reference renders, copied in (see each .SOURCE.txt)
 FILES = dict(
     kimi='kimi-k2-thinking.jinja',
     qwen3='qwen3-0.6b.jinja',

@@ -66,6 +66,9 @@ def test_run_builds_toy_serves_checks_and_resumes(tmp_path, run_id):
     )
     phases = sorted(p.stem for p in (ROOT / 'nbs' / 'phases').glob('[0-9]*_*.ipynb'))
     assert runs.values.tolist() == [[ph, 'ok'] for ph in phases]
+    for nb in rd.glob('[0-9]*_*.ipynb'):  # no kernel noise in a record: kernels talk over IPC, not plain TCP
+        assert 'TCP without encryption' not in code_outputs(nb), nb.name
+    assert 'TCP without encryption' not in p.stderr
     # no file of the run holds the key: the record keeps only the variable's name
     for f in rd.rglob('*'):
         if f.is_file():

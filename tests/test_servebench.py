@@ -1,8 +1,10 @@
 "serve-bench against the live toy server (as baseline and speculative), fake SGLang / vLLM stats endpoints, break-even"
 
-import http.server, json, math, threading, time
+import http.server, json, math, threading
 from pathlib import Path
+from types import SimpleNamespace
 import pytest
+from eagle3nb import servebench
 from eagle3nb.merge import load_corpus, merge_recipe, smoke_recipe
 from eagle3nb.server import free_port
 from eagle3nb.servebench import (
@@ -218,8 +220,23 @@ def test_eval_prompts(tmp_path):
         )
 
 
+class _Clock:
+    "The bench's clock, moved only by the fake engines' steps: its seconds are theirs, whatever the machine's load"
+
+    def __init__(self):
+        self.t, self.lock = 0.0, threading.Lock()
+
+    def __call__(self) -> float:
+        with self.lock:
+            return self.t
+
+    def advance(self, s: float):
+        with self.lock:
+            self.t += s
+
+
 class _Engine(http.server.BaseHTTPRequestHandler):
-    "A streaming chat server: `tokens_per_step` tokens every `step_s` seconds; vLLM-style spec counters on /metrics"
+    "A streaming chat server: `tokens_per_step` tokens a step of `step_s` (clock) seconds; spec counters on /metrics"
 
     protocol_version = 'HTTP/1.1'
 
@@ -251,7 +268,7 @@ class _Engine(http.server.BaseHTTPRequestHandler):
         )
         sent = 0
         while sent < n:
-            time.sleep(self.server.step_s)
+            self.server.clock.advance(self.server.step_s)  # the step's time passes on the bench's clock, not the wall
             m = min(k, n - sent)
             sent += m
             for _ in range(m):
@@ -271,12 +288,15 @@ class _Engine(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def engines():
-    "A baseline engine (1 token per 10 ms step) and a speculative one (2 tokens per 12 ms step: accept length 2, 20% draft overhead)"
-    srvs = []
+def engines(monkeypatch):
+    "A baseline engine (1 token a 10 ms step) and a speculative one (2 tokens a 12 ms step: accept length 2, 20% draft"
+    "overhead), on a clock only their steps move"
+    clock, srvs = _Clock(), []
+    monkeypatch.setattr(servebench, 'time', SimpleNamespace(perf_counter=clock))  # the bench times on this clock
     for k, s in ((1, 0.010), (2, 0.012)):
         srv = http.server.ThreadingHTTPServer(('127.0.0.1', 0), _Engine)
         srv.tokens_per_step, srv.step_s, srv.drafts, srv.accepted, srv.lock = k, s, 0, 0, threading.Lock()
+        srv.clock = clock
         threading.Thread(target=srv.serve_forever, daemon=True).start()
         srvs.append(srv)
     yield [f'http://127.0.0.1:{s.server_port}/v1' for s in srvs]
@@ -292,10 +312,15 @@ def test_speculative_engine_end_to_end(engines):
     assert (df.ok == len(PROMPTS)).all() and (df.tokens_counted_by == 'usage').all()
     assert df.accept_len[df.endpoint == 'baseline'].isna().all()
     assert (df.accept_len[df.endpoint == 'speculative'] == 2.0).all()  # 1 + accepted / drafts over each run's window
+    # 12 tokens a request: baseline 12 steps of 10 ms, speculative 6 of 12 ms; the same at every concurrency, since the
+    # clock adds every step of every request in flight
+    base_tok_s, spec_tok_s = 12 / (12 * 0.010), 12 / (6 * 0.012)  # 100 and 166.7 tok/s
+    assert df.out_tok_s[df.endpoint == 'baseline'].tolist() == pytest.approx([base_tok_s] * 2)
+    assert df.out_tok_s[df.endpoint == 'speculative'].tolist() == pytest.approx([spec_tok_s] * 2)
     sp = df.speedup[df.endpoint == 'speculative']
-    assert ((sp > 1.2) & (sp < 2.5)).all(), sp.tolist()  # 2 tokens per 1.2 steps: ~1.67x, loosely
+    assert sp.tolist() == pytest.approx([2 / 1.2] * 2)  # 2 tokens a step that costs 1.2 baseline steps
     be = break_even_table(df)
     assert list(be.concurrency) == [1, 2]
-    for r in be.itertuples():  # the draft pays above a = c = accept_len x base / spec, about 1.2 here
+    for r in be.itertuples():  # the draft pays above a = c = accept_len x base / spec: the step's cost, 1.2
         assert r.cost == pytest.approx(r.accept_len * r.base_tok_s / r.spec_tok_s) and r.break_even_accept_len == r.cost
-        assert r.speedup == pytest.approx(r.spec_tok_s / r.base_tok_s) and 0.8 < r.cost < 1.7
+        assert r.speedup == pytest.approx(r.spec_tok_s / r.base_tok_s) and r.cost == pytest.approx(1.2)

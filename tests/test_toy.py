@@ -1,7 +1,6 @@
 "Integration checks of `eagle3nb.toy` that need fresh processes or long inputs (the notebook covers the rest)."
 
 import hashlib, json, os, subprocess, sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest, torch
@@ -31,11 +30,28 @@ def test_same_bytes_across_processes(tmp_path, name):
     assert digest(tmp_path / 'a') == digest(tmp_path / 'b')
 
 
+RACER = """
+import os, sys, time
+from eagle3nb.toy import build_toy
+print('ready', flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.005)
+print(build_toy('qwen3-tiny', sys.argv[2]))
+"""
+
+
 def test_concurrent_builds_agree(tmp_path):
     "Two processes racing to build the same directory both succeed and leave one complete build"
-    with ThreadPoolExecutor(2) as ex:
-        rs = list(ex.map(lambda _: build_in_subprocess('qwen3-tiny', tmp_path / 'q'), range(2)))
-    assert all(r.returncode == 0 for r in rs), [r.stderr for r in rs]
+    go, out = tmp_path / 'go', tmp_path / 'q'
+    ps = [
+        subprocess.Popen([sys.executable, '-c', RACER, str(go), str(out)], env=ENV, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    assert [p.stdout.readline().strip() for p in ps] == ['ready', 'ready']  # both imported: the start is the same
+    go.write_text('')
+    rs = [p.communicate(timeout=120) for p in ps]
+    assert [p.returncode for p in ps] == [0, 0], rs
+    go.unlink()
     assert json.loads((tmp_path / 'q' / 'eagle3nb_toy.json').read_text())['name'] == 'qwen3-tiny'
     assert [p.name for p in tmp_path.iterdir()] == ['q']  # no temp or old folders left
 

@@ -1,0 +1,3 @@
+from eagle3nb.cli import main
+
+main()
