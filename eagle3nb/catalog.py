@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import tenacity
-from .server import retrying
+from .recipe import retrying
 
 # %% ../nbs/01_catalog.ipynb #d280f806
 SCHEMA_VERSION = 1  # bump with a migration in `_ensure_schema` when a table changes
@@ -115,7 +115,7 @@ def _connect_once(path: Path, read_only: bool):
 
 
 def _open(path: Path, read_only: bool, timeout: float):
-    "duckdb.connect, retried (`server.retrying`: 0.05 s doubling to 1 s) for `timeout` s while another process locks it"
+    "duckdb.connect, retried (`recipe.retrying`: 0.05 s doubling to 1 s) for `timeout` s while another process locks it"
     if path.is_dir():
         raise _unreadable(path)
     t0 = time.monotonic()

@@ -48,18 +48,23 @@ _POSITIVE = (
 )  # counts and sizes
 
 
-def _check_args(a):
-    "Refuse what no verb can use, naming the option: a count below 1, a model, draft or target folder that is not one"
-    import re
-    from eagle3nb.recipe import model_dir
-
-    if getattr(a, 'fn', None) is _phase:  # a phase: its Params and the phase itself judge the values
-        return
+def _check_counts(a):
+    "Refuse a count below 1 or a port out of range, naming the option"
     if (v := getattr(a, 'port', None)) is not None and not 1 <= v <= 65535:
         raise ValueError(f"--port {v}: give a port from 1 to 65535")
     for k in _POSITIVE:
         if (v := getattr(a, k, None)) is not None and v < 1:
             raise ValueError(f"{'-n' if k == 'n' else '--' + k.replace('_', '-')} {v}: give a positive integer")
+
+
+def _check_args(a):
+    "Refuse what no verb can use, naming the option: a count below 1, a model, draft or target folder that is not one"
+    import re
+    from eagle3nb.recipe import model_dir
+
+    if getattr(a, 'phase', None):  # a phase: the counts given here; its Params and the phase judge the rest
+        return _check_counts(getattr(a, 'given', a))
+    _check_counts(a)
     if a.verb == 'serve' and not re.fullmatch(r'[\w.-]+/[\w.-]+', a.model_dir):
         model_dir(a.model_dir, 'model_dir')  # a hub id is the server's to fetch
     if a.verb == 'launch' or (a.verb == 'serve' and getattr(a, 'draft', None)):
@@ -131,12 +136,13 @@ def _prepare(a):
         force=a.force,
     )
     print(
-        f"{a.name}: read {m['read']}, kept {m['kept']}, rejected {m['rejected']} {m['reject_reasons'] or ''} -> {Path(a.out) / a.name}"
+        f"{a.name}: read {m['read']}, kept {m['kept']}, rejected {m['rejected']} {m['reject_reasons'] or ''} "
+        f"-> {Path(a.out) / a.name}"
     )
 
 
 def _render(a):
-    "eagle3nb render --target DIR --input CONVERSATIONS.jsonl --out DIR: canonical conversations to token ids + loss masks"
+    "eagle3nb render --target DIR --input CONVERSATIONS.jsonl --out DIR: conversations to token ids + loss masks"
     from eagle3nb.render import render_jsonl
 
     st = render_jsonl(a.target, a.input, a.out, thinking=a.thinking == 'on', merge=not a.no_merge)
@@ -144,14 +150,15 @@ def _render(a):
 
 
 def _export(a):
-    "eagle3nb export CHECKPOINT --out DIR [--target TARGET_DIR] [--data DATA_ROOT]: a checkpoint SGLang and vLLM load as EAGLE3"
+    "eagle3nb export CHECKPOINT --out DIR [--target DIR] [--data DATA_ROOT]: a checkpoint the engines load as EAGLE3"
     from eagle3nb.export import export_draft, check_export, run_defaults
 
     run = run_defaults(a.checkpoint) if not (a.target and a.data) else {}
     target, data = a.target or run.get('target'), a.data or run.get('data_root')
     if not target:
         raise ValueError(
-            f"{a.checkpoint} is not inside a run folder (papermill_runs/<run_id>/checkpoints/step_N next to recipe.yaml): pass --target TARGET_DIR"
+            f"{a.checkpoint} is not inside a run folder (papermill_runs/<run_id>/checkpoints/step_N next to "
+            "recipe.yaml): pass --target TARGET_DIR"
         )
     from eagle3nb.recipe import model_dir
 
@@ -196,7 +203,7 @@ def _serve_bench(a):
     "eagle3nb serve-bench --baseline URL --speculative URL --model NAME: output tok/s, TTFT, accept length, break-even"
     from eagle3nb.servebench import serve_bench_cli
 
-    if a.draft:  # what to launch first: the target with this draft (and, for the baseline, the same without the speculative flags)
+    if a.draft:  # what to launch first: the target with this draft (the baseline: the same without speculative flags)
         from eagle3nb.export import launch_commands
 
         for eng, cmd in launch_commands(a.draft, a.target or a.model or 'TARGET', tp=a.tp).items():
@@ -391,7 +398,7 @@ def parser(suppress: bool = False) -> argparse.ArgumentParser:
     s.add_argument('--vllm', help='a vLLM venv or its python (default $EAGLE3NB_VLLM, else .venv-vllm)')
     pp = sub.add_parser(
         'prepare',
-        help='(or, given a recipe: eagle3nb prepare RECIPE runs its phase) read one raw dataset into canonical conversations',
+        help='read one raw dataset into canonical conversations (prepare RECIPE: the phase)',
     )
     pp.set_defaults(fn=_prepare)
     pp.add_argument('--format', required=True, help='adapter: sharegpt, openai, alpaca, sweagent_traj, ...')
@@ -406,7 +413,7 @@ def parser(suppress: bool = False) -> argparse.ArgumentParser:
     pp.add_argument('--force', action='store_true', help='rebuild even when the manifest matches')
     rn = sub.add_parser(
         'render',
-        help="(or, given a recipe: eagle3nb render RECIPE runs its phase) render canonical conversations in the target's format (token ids, loss mask)",
+        help="render conversations in the target's format: token ids, loss mask (render RECIPE: the phase)",
     )
     rn.set_defaults(fn=_render)
     rn.add_argument('--target', required=True, help='target model directory (tokenizer + chat template)')
@@ -416,7 +423,7 @@ def parser(suppress: bool = False) -> argparse.ArgumentParser:
     rn.add_argument('--no-merge', action='store_true', help='one sample per assistant turn')
     xp = sub.add_parser(
         'export',
-        help='(or, given a recipe: eagle3nb export RECIPE runs its phase) write an engine-ready EAGLE3 draft (config.json + bf16 model.safetensors)',
+        help='write an engine-ready EAGLE3 draft: config.json + bf16 model.safetensors (export RECIPE: the phase)',
     )
     xp.set_defaults(fn=_export)
     xp.add_argument('checkpoint', help='a training checkpoint folder, e.g. checkpoints/step_1000')
@@ -428,7 +435,7 @@ def parser(suppress: bool = False) -> argparse.ArgumentParser:
     )
     xp.add_argument(
         '--data',
-        help="the recipe's data root (data/<recipe>; default: the run recipe's): writes the training record doctor checks",
+        help="the recipe's data root (data/<recipe>; default: the run recipe's): for the record doctor checks",
     )
     la = sub.add_parser('launch', help='print the SGLang and vLLM commands that serve a target with an exported draft')
     la.set_defaults(fn=_launch)
@@ -439,7 +446,7 @@ def parser(suppress: bool = False) -> argparse.ArgumentParser:
     la.add_argument('--topk', type=int, default=1)
     dr = sub.add_parser(
         'doctor',
-        help='(or, given a recipe: eagle3nb doctor RECIPE runs its phase) check an exported draft, its target and the server launch for every known silent failure',
+        help='check a draft, its target and its launch for every known silent failure (doctor RECIPE: the phase)',
     )
     dr.set_defaults(fn=_doctor)
     dr.add_argument('draft', help='exported draft folder')
@@ -457,7 +464,7 @@ def parser(suppress: bool = False) -> argparse.ArgumentParser:
     )
     sb = sub.add_parser(
         'serve-bench',
-        help='(or, given a recipe: eagle3nb serve-bench RECIPE runs its phase) benchmark a speculative endpoint against its baseline',
+        help='benchmark a speculative endpoint against its baseline (serve-bench RECIPE: the phase)',
     )
     sb.set_defaults(fn=_serve_bench)
     sb.add_argument('--baseline', required=True, help='base URL of the server without the draft (.../v1)')
@@ -465,24 +472,24 @@ def parser(suppress: bool = False) -> argparse.ArgumentParser:
     sb.add_argument('--model', help='served model id (default: the first model the baseline lists)')
     sb.add_argument('--recipe', help="eval prompts from this recipe's eval split")
     sb.add_argument('--prompts', help='or from a JSONL file of prompts')
-    sb.add_argument('--concurrency', default='1,8', help='comma-separated concurrencies')
-    sb.add_argument('--max-tokens', type=int, default=128)
-    sb.add_argument('-n', type=int, default=16, help='prompts per concurrency')
+    sb.add_argument('--concurrency', default='1,4', help='comma-separated concurrencies')
+    sb.add_argument('--max-tokens', type=int, default=48)
+    sb.add_argument('-n', type=int, default=8, help='prompts per concurrency')
     sb.add_argument('--out', help='write the results here (JSON) and break_even.png beside it')
     sb.add_argument('--draft', help='an exported draft: print the SGLang and vLLM launch commands for it first')
     sb.add_argument('--target', help='the target path the launch commands load (default: --model)')
     sb.add_argument('--tp', type=int, default=1)
     vf = sub.add_parser(
         'verify',
-        help='(or, given a recipe: eagle3nb verify RECIPE runs its phase) serve an exported draft in vLLM: greedy output unchanged, acceptance counted, offline estimate beside it',
+        help='serve a draft in vLLM: greedy output unchanged, acceptance counted (verify RECIPE: the phase)',
     )
     vf.set_defaults(fn=_verify)
     vf.add_argument('draft', help='exported draft folder')
     vf.add_argument('--target', required=True, help='the target model folder')
     vf.add_argument('--prompts', help='JSONL: prompt_token_ids, prompt (text) or messages per line')
     vf.add_argument('--recipe', help="or the recipe's eval split")
-    vf.add_argument('--n', type=int, default=16, help='prompts')
-    vf.add_argument('--max-tokens', type=int, default=64)
+    vf.add_argument('--n', type=int, default=8, help='prompts')
+    vf.add_argument('--max-tokens', type=int, default=48)
     vf.add_argument('--num-speculative-tokens', type=int, default=3)
     vf.add_argument('--json', help='write the figures here')
     vf.add_argument(

@@ -1167,6 +1167,7 @@ def engine_wanted() -> bool:
 def check_engine(x: DraftExport, max_tokens: int = 32) -> list:
     "Serve the draft in vLLM: loaded, greedy output unchanged, drafts accepted"
     from eagle3nb.engine import verify_served, engine_available, SILENT_SIGNS
+    from eagle3nb.phase import EngineSession
 
     if not engine_available():
         why = 'no vLLM engine here (make engine, or set EAGLE3NB_VLLM)'
@@ -1182,7 +1183,8 @@ def check_engine(x: DraftExport, max_tokens: int = 32) -> list:
         )
         for p in ENGINE_PROMPTS
     ]
-    r = verify_served(x.target_dir, x.dir, ps, max_tokens, 3)
+    with EngineSession.of(x.target_dir) as es:  # the servers it starts stop with it
+        r = verify_served(es, x.dir, ps, max_tokens, 3)
     if not r['loaded']:
         return [finding('engine', 'FAIL', f"vLLM did not serve the draft: {r['error']}")]
     silent = [w for w in r['warnings'] if any(s in w for s in SILENT_SIGNS)]

@@ -435,7 +435,7 @@ def _keep_logs(logs: dict, log_dir):
 
 # %% ../nbs/05_engine.ipynb #d32b2033
 def verify_served(
-    engines,  # the `EngineSession` (eagle3nb.phase) to take the servers from; a target folder: a session of its own
+    engines,  # the `EngineSession` (eagle3nb.phase) that starts, reuses and stops the servers
     draft_dir,  # exported draft folder
     prompts: list,  # token-id lists
     max_tokens: int = 64,  # generated tokens per prompt
@@ -445,11 +445,6 @@ def verify_served(
     python=None,  # the engine's python; default the session's
 ) -> dict:
     "Serve `draft_dir` as an EAGLE-3 draft of the session's target in vLLM; greedy identity and acceptance"
-    if isinstance(engines, (str, Path)):
-        from eagle3nb.phase import EngineSession  # the session lives a layer up; a caller without one gets its own
-
-        with EngineSession.of(engines) as es:
-            return verify_served(es, draft_dir, prompts, max_tokens, k, mla_disable, log_dir, python)
     if mla_disable is None:
         mla_disable = mla_disable_for(engines.target_dir, draft_dir, python or engines.python)
     out = dict(loaded=False, error=None, n_prompts=len(prompts), k=k)

@@ -29,7 +29,8 @@ from eagle3nb.extract import (
 )
 from .store import ShardWriter, record_index, sync_index
 from .recipe import Recipe
-from .server import hold_lock, owned_by, reap_leftovers, retrying
+from .server import hold_lock, owned_by, reap_leftovers
+from .recipe import retrying
 
 # %% ../nbs/52_engine_extract.ipynb #25b9f0dc
 CONNECTOR_MODULE, CONNECTOR_CLASS = 'eagle3nb_hs_connector', 'SyncHiddenStatesConnector'

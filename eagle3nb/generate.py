@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 import httpx
-import pandas as pd
 import tenacity
 from pydantic import Field
 from .phase import Params
@@ -198,7 +197,7 @@ def partitions_of(catalog) -> dict:
     return {p: dict(ctx=int(c), concurrency=int(k)) for p, c, k in df.values}
 
 
-def wanted_samples(catalog, kinds: list) -> pd.DataFrame:
+def wanted_samples(catalog, kinds: list):  # a DataFrame, one row per sample
     "The catalog's samples of `kinds` in the main and long partitions: those generate answers"
     from eagle3nb.catalog import samples_df
 
@@ -939,8 +938,10 @@ def generate_recipe(
         return generate(r, progress=progress, **kw)
 
 # %% ../nbs/30_generate.ipynb #ec33695c
-def records_df(out) -> pd.DataFrame:
+def records_df(out):  # a DataFrame, one row per sample
     "One row per sample (its finished record where there is one), from the shards under `out`"
+    import pandas as pd
+
     cols = [
         'sample_id',
         'dataset',
@@ -983,8 +984,10 @@ def plot_run(df, bin_s: float = None):  # matplotlib axes: throughput, lengths, 
     return ax
 
 # %% ../nbs/30_generate.ipynb #6079b83f
-def outcome_table(df: pd.DataFrame) -> pd.DataFrame:
+def outcome_table(df):  # `records_df`'s DataFrame -> a DataFrame, one row per (dataset, partition)
     "Samples, outcomes and completion tokens per (dataset, partition) of `records_df`'s rows"
+    import pandas as pd
+
     g = df.groupby(['dataset', 'partition'])
     return pd.DataFrame(
         dict(

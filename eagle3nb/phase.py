@@ -96,6 +96,8 @@ def _number_hint(value: str) -> str:
 
 def value_problem(value, annotation) -> str | None:
     "Why `value` does not fit `annotation` (int, float, bool, str, list[X], dict, X | None), else None"
+    if get_origin(annotation) is Literal:
+        return None  # its choices: pydantic judges them, naming each
     opts = [a for a in (get_args(annotation) if get_origin(annotation) not in (list, dict) else ())] or [annotation]
     none = type(None) in opts
     opts = [a for a in opts if a is not type(None)]
@@ -201,7 +203,8 @@ class Phase:
         rec = self.fn(ctx, p)
         if not isinstance(rec, self.Record):
             raise TypeError(f"phase {self.key} returned {type(rec).__name__}, not its {self.Record.__name__}")
-        write_record(Path(ctx.run_dir) / self.record_name, rec)
+        if ctx.rank == 0:  # under torchrun every rank runs the phase; one writes its record
+            write_record(Path(ctx.run_dir) / self.record_name, rec)
         return rec
 
     run = __call__
@@ -232,15 +235,13 @@ def phases() -> dict:
 
 # %% ../nbs/06_phase.ipynb #19ff2798
 def smoke_recipe(d, toy: str = 'kimi-tiny') -> Recipe:
-    "A recipe for a smoke run in folder `d`: toy target `toy`, the demo's prompts as its one dataset"
-    from eagle3nb.toy import PKG
-
+    "A recipe for a smoke run in folder `d`: toy target `toy` served by `transformers serve` (seconds to start)"
     d = Path(d)
     return Recipe(
         name='smoke',
         data_root=str(d / 'data'),
         catalog=str(d / 'catalog.duckdb'),
-        target=dict(toy=toy, model=str(d / toy)),
+        target=dict(toy=toy, model=str(d / toy), engine='transformers'),
         datasets=[],
     )
 

@@ -9,16 +9,12 @@ __all__ = ['PHASE_DEFAULTS', 'PlanParams', 'plan_params', 'non_default', 'phase_
            'next_plan_path', 'write_plan', 'plan_cli', 'plot_tokens', 'plot_disk']
 
 # %% ../nbs/90_plan.ipynb #5f89e838
-import datetime, inspect, json, math, os, re, shutil
+import datetime, json, math, os, re, shutil
 from pathlib import Path
-import pandas as pd
 from pydantic import Field
 from .phase import Params
 from .recipe import Recipe, RecipeError, load_recipe, default_aux_layers, check_aux_layers
-from .catalog import query, partition as _partition
-from .store import bytes_per_token
 from .generate import GEN_DEFAULTS
-from .prepare import ADAPTERS
 from .toy import ensure_toy
 
 # %% ../nbs/90_plan.ipynb #68e2e4f1
@@ -65,9 +61,8 @@ def non_default(**kw) -> dict:
     return {k: v for k, v in kw.items() if k in d and v != d[k]}
 
 # %% ../nbs/90_plan.ipynb #4e9785c6
-_CATALOG_KEYS = ('max_ctx', 'max_new_tokens', 'long_ctx', 'c_main', 'c_long')
 PHASE_DEFAULTS = dict(
-    catalog={k: inspect.signature(_partition).parameters[k].default for k in _CATALOG_KEYS},
+    catalog=dict(max_ctx=10240, max_new_tokens=2048, long_ctx=32768, c_main=192, c_long=16),  # catalog.partition's
     generate={k: GEN_DEFAULTS[k] for k in ('mode', 'kinds', 'max_new_tokens', 'c_main', 'c_long')},
     merge=dict(eval_fraction=0.02),
     vocab=dict(draft_vocab=32_000),
@@ -129,12 +124,17 @@ FROM samples WHERE list_contains(?, dataset) GROUP BY ALL ORDER BY ALL"""
 
 def catalog_groups(catalog, names: list) -> tuple:  # groups, stats DataFrames (empty when there is no catalog)
     "Per (dataset, partition, kind) sums, and per-dataset conversations and length quantiles, from the catalog"
+    import pandas as pd
+    from eagle3nb.catalog import query
+
     if not Path(catalog).exists():
         return pd.DataFrame(), pd.DataFrame()
     return query(catalog, _GROUPS_SQL, [list(names)]), query(catalog, _STATS_SQL, [list(names)])
 
 # %% ../nbs/90_plan.ipynb #9874deae
 def _kind(ds) -> str:
+    from eagle3nb.prepare import ADAPTERS
+
     return ds.kind or getattr(ADAPTERS.get(ds.format), 'default_kind', 'full')
 
 
@@ -187,6 +187,8 @@ def free_disk(path) -> tuple:  # (folder measured, free bytes)
 
 # %% ../nbs/90_plan.ipynb #dc97a6d9
 def _groups(r: Recipe, p: PlanParams, cat: dict, gen_kinds) -> tuple:  # groups, stats, datasets in the catalog
+    import pandas as pd
+
     names = [d.name for d in r.datasets]
     g, st = catalog_groups(r.catalog, names)
     have = set(g.dataset) if len(g) else set()
@@ -201,7 +203,9 @@ def _groups(r: Recipe, p: PlanParams, cat: dict, gen_kinds) -> tuple:  # groups,
     return g, st, have
 
 # %% ../nbs/90_plan.ipynb #70ca4e68
-def _add_generation(g: pd.DataFrame, p: PlanParams, parts: dict, gen: dict):
+def _add_generation(g, p: PlanParams, parts: dict, gen: dict):
+    import pandas as pd
+
     g['generated'] = g.kind.isin(gen['kinds']) & (g.part != 'excluded')
     mp = (g.prompt_tokens.astype(float) / g.samples.clip(lower=1)).fillna(0)
     per = [
@@ -215,6 +219,8 @@ def _add_generation(g: pd.DataFrame, p: PlanParams, parts: dict, gen: dict):
 # %% ../nbs/90_plan.ipynb #33795254
 def partitions(r: Recipe, cat: dict, gen: dict) -> dict:
     "`{main|long: dict(ctx, concurrency, source)}` as the generate phase will see them"
+    from eagle3nb.catalog import query
+
     src, rows = (
         'recipe phases.catalog',
         {'main': (cat['max_ctx'], cat['c_main']), 'long': (cat['long_ctx'], cat['c_long'])},
@@ -229,7 +235,7 @@ def partitions(r: Recipe, cat: dict, gen: dict) -> dict:
     }
 
 # %% ../nbs/90_plan.ipynb #769afd54
-def _dataset_rows(r: Recipe, g: pd.DataFrame, st: pd.DataFrame, have: set) -> list:
+def _dataset_rows(r: Recipe, g, st, have: set) -> list:  # g, st: `catalog_groups`' DataFrames
     st = st.set_index('dataset') if len(st) else st
     rows = []
     for d in r.datasets:
@@ -273,6 +279,8 @@ def _dataset_rows(r: Recipe, g: pd.DataFrame, st: pd.DataFrame, have: set) -> li
 
 # %% ../nbs/90_plan.ipynb #b6359f4b
 def _hidden(r: Recipe, p: PlanParams, dims: dict, tokens: int, samples: int) -> dict:
+    from eagle3nb.store import bytes_per_token
+
     ex, vc = phase_params(r, 'extract'), phase_params(r, 'vocab')
     planned = [m.strip() for m in ex['modes'].split(',') if m.strip()]
     sized = list(dict.fromkeys([m.strip() for m in p.modes.split(',') if m.strip()] + planned))
@@ -332,7 +340,7 @@ def _times(r: Recipe, p: PlanParams, hid: dict) -> tuple:  # extract, train dict
     return ext, train
 
 # %% ../nbs/90_plan.ipynb #e19128ab
-def _partition_rows(g: pd.DataFrame, parts: dict) -> list:
+def _partition_rows(g, parts: dict) -> list:
     rows = []
     for k in ('main', 'long', 'excluded'):
         x = g[g.part == k]
@@ -350,7 +358,7 @@ def _partition_rows(g: pd.DataFrame, parts: dict) -> list:
     return rows
 
 
-def _generation(g: pd.DataFrame, p: PlanParams, parts: dict, gen: dict) -> dict:
+def _generation(g, p: PlanParams, parts: dict, gen: dict) -> dict:
     x = g[g.generated]
     per = {
         k: dict(
@@ -986,6 +994,8 @@ def plan_cli(
 # %% ../nbs/90_plan.ipynb #3307ca50
 def plot_tokens(f: dict, ax=None):
     "Tokens per dataset, as rendered and as they reach the hidden-state store"
+    import pandas as pd
+
     rows = f['datasets'] or [dict(name='(no datasets)', tokens=0, extract_tokens=0)]
     df = (
         pd.DataFrame(rows)
@@ -1000,6 +1010,8 @@ def plot_tokens(f: dict, ax=None):
 
 def plot_disk(f: dict, ax=None):
     "Hidden-state bytes per storage mode against free disk"
+    import pandas as pd
+
     h = f['hidden']
     s = pd.Series({m + (' (planned)' if v['planned'] else ''): v['bytes'] / 1e12 for m, v in h['modes'].items()})
     ax = s.plot.barh(

@@ -7,7 +7,7 @@ __all__ = ['WEIGHTS_HINT', 'MARKER', 'RecipeError', 'one_name', 'Target', 'Datas
            'bad_file', 'read_text', 'read_json', 'open_safetensors', 'check_weights', 'DuplicateKey', 'UniqueKeyLoader',
            'load_yaml', 'load_recipe', 'resolve', 'api_key', 'atomic_write', 'recipe_dict', 'save_recipe',
            'fingerprint', 'default_aux_layers', 'aux_rule', 'check_aux_layers', 'mark_output', 'read_marker',
-           'claim_output', 'remove_stale', 'output_temp', 'publish_output', 'publishing', 'model_dir']
+           'claim_output', 'remove_stale', 'output_temp', 'publish_output', 'publishing', 'model_dir', 'retrying']
 
 # %% ../nbs/00_recipe.ipynb #55149d0a
 import contextlib, hashlib, json, os, re, shutil, socket, tempfile, time
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+import httpx, tenacity
 
 # %% ../nbs/00_recipe.ipynb #e49cf44a
 class RecipeError(ValueError):
@@ -577,3 +578,20 @@ def model_dir(
         if (p / f).is_file():
             read_json(p / f, f"{what} names a model folder whose {f} is damaged: restore it from the model's source")
     return p
+
+# %% ../nbs/00_recipe.ipynb #80f57dc2
+def retrying(
+    attempts: int = 3,  # tries in all, the first one included
+    on: tuple = (httpx.TransportError,),  # exception types worth another try; any other raises at once
+    wait: float = 0.5,  # seconds before the second try; doubles for each try after that
+    max_wait: float = 8.0,  # the longest single wait, seconds
+    before_sleep=None,  # called with tenacity's `RetryCallState` before each wait, e.g. to log
+) -> tenacity.Retrying:
+    "Retry policy: exponential backoff on the errors in `on`; the last error itself when the tries run out"
+    return tenacity.Retrying(
+        stop=tenacity.stop_after_attempt(attempts),
+        wait=tenacity.wait_exponential(multiplier=wait, max=max_wait),  # wait * 2**(try - 1), at most max_wait
+        retry=tenacity.retry_if_exception_type(on),
+        before_sleep=before_sleep,
+        reraise=True,
+    )

@@ -160,7 +160,7 @@ def check_phase_params(
     nb: Path,  # phase notebook
     params: dict,  # the recipe's `phases.<name>` dict
 ):
-    "Raise `RecipeError` naming each recipe key that is not a parameter of `nb`'s phase, or whose value is not of its type"
+    "Raise `RecipeError` naming each recipe key that is not a parameter of `nb`'s phase, or not of the parameter's type"
     key = phase_key(nb.stem)
     ph = phase_of(key)
     if ph is not None:  # a library phase: its `Params` is the one declaration

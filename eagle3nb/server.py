@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['CB_FLAGS', 'OWNERS', 'free_port', 'port_in_use', 'serve_command', 'http_client', 'raise_for_status', 'get_json',
-           'post_json', 'retrying', 'ServerNotReady', 'ModelMismatch', 'list_models', 'wait_for_server', 'server_env',
+           'post_json', 'ServerNotReady', 'ModelMismatch', 'list_models', 'wait_for_server', 'server_env',
            'guard_group', 'owned_by', 'leftovers', 'reap_leftovers', 'InUse', 'hold_lock', 'LocalServer', 'rss_mb',
            'serve']
 
@@ -13,7 +13,8 @@ import os, signal, socket, subprocess, sys, tempfile, time, weakref, json
 from contextlib import contextmanager
 import psutil
 import urllib.parse
-import httpx, tenacity
+import httpx
+from .recipe import retrying
 from pathlib import Path
 from fastcore.basics import patch
 
@@ -132,23 +133,6 @@ def post_json(
     "`POST body` as JSON to `url`; the reply's JSON, or `httpx.HTTPStatusError` with the server's message"
     with http_client(timeout, api_key) as c:
         return raise_for_status(c.post(url, json=body)).json()
-
-# %% ../nbs/03_server.ipynb #80f57dc2
-def retrying(
-    attempts: int = 3,  # tries in all, the first one included
-    on: tuple = (httpx.TransportError,),  # exception types worth another try; any other raises at once
-    wait: float = 0.5,  # seconds before the second try; doubles for each try after that
-    max_wait: float = 8.0,  # the longest single wait, seconds
-    before_sleep=None,  # called with tenacity's `RetryCallState` before each wait, e.g. to log
-) -> tenacity.Retrying:
-    "Retry policy: exponential backoff on the errors in `on`; the last error itself when the tries run out"
-    return tenacity.Retrying(
-        stop=tenacity.stop_after_attempt(attempts),
-        wait=tenacity.wait_exponential(multiplier=wait, max=max_wait),  # wait * 2**(try - 1), at most max_wait
-        retry=tenacity.retry_if_exception_type(on),
-        before_sleep=before_sleep,
-        reraise=True,
-    )
 
 # %% ../nbs/03_server.ipynb #1471111f
 class ServerNotReady(RuntimeError):

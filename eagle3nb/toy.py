@@ -346,6 +346,19 @@ def _complete(d: Path, spec: ToySpec) -> bool:
     return not spec.pretrain or m.get('key') == toy_key(spec)  # a trained toy: same training text and settings
 
 # %% ../nbs/02_toy.ipynb #42f4b3e8
+def _quietly(fn, *args, **kw):
+    "Call `fn` with transformers' progress bars off (a toy's one shard would print a bar into every record)"
+    from transformers.utils import logging
+
+    was = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        return fn(*args, **kw)
+    finally:
+        if was:
+            logging.enable_progress_bar()
+
+
 def write_toy(spec: ToySpec, d: Path):
     "Save toy `spec` into the existing, empty folder `d`"
     tok = make_tokenizer(spec)
@@ -354,7 +367,7 @@ def write_toy(spec: ToySpec, d: Path):
     info = (
         dict(key=toy_key(spec), pretrain=pretrain(spec, tok, m)) if spec.pretrain else {}
     )  # minutes: see 'Trained toys'
-    m.save_pretrained(d)  # safetensors, float32
+    _quietly(m.save_pretrained, d)  # safetensors, float32
     if spec.drop_keys:
         cfg = json.loads((d / 'config.json').read_text())
         (d / 'config.json').write_text(

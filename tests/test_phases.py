@@ -6,7 +6,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from eagle3nb.cli import parser
+from eagle3nb.cli import parse_cli
 from eagle3nb.phase import cell_parameters, parameters_source, phases
 from eagle3nb.runner import phase_key, phase_notebooks
 
@@ -53,10 +53,10 @@ def verb_argv(key: str) -> list:
 def test_cli_defaults_are_params(stem):
     "The verb's flags parse, unset, to the phase's defaults; given, each reaches the phase's field"
     ph = phases()[phase_key(stem)]
-    a = parser().parse_args(verb_argv(ph.key))
+    a = parse_cli(verb_argv(ph.key))[1]
     assert a.phase == ph.key
     assert {k: getattr(a, k) for k in ph.Params.model_fields} == ph.Params.defaults()
-    given = parser(suppress=True).parse_args(verb_argv(ph.key))
+    given = parse_cli(verb_argv(ph.key), suppress=True)[1]
     assert not [k for k in ph.Params.model_fields if hasattr(given, k)], 'nothing given, nothing overrides the recipe'
 
 
@@ -70,7 +70,7 @@ def test_notebook_is_thin(stem):
     assert largest <= 12, f'{stem}: a cell of {largest} lines; move the logic into eagle3nb.phases'
     assert control <= 4, f'{stem}: {control} control statements; move the logic into eagle3nb.phases'
     src = '\n'.join(cells)
-    assert '.run(ctx, p)' in src and 'RunContext.open(recipe, run_dir)' in src
+    assert '.run(ctx, p)' in src and 'RunContext.open(recipe, run_dir' in src
 
 
 def test_cli_starts_without_the_heavy_libraries():
@@ -79,7 +79,7 @@ def test_cli_starts_without_the_heavy_libraries():
     import sys
 
     code = (
-        "import sys; from eagle3nb.cli import parser; parser(); "
+        "import sys; from eagle3nb.cli import parse_cli; parser(); "
         "print(sorted(m for m in ('torch', 'transformers', 'datasets', 'duckdb') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout

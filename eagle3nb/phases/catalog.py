@@ -9,10 +9,6 @@ __all__ = ['SMOKE', 'Params', 'Record', 'catalog_dataset', 'run']
 from pathlib import Path
 from pydantic import Field
 from ..phase import Params as _Params, Record as _Record, RunContext, phase
-from ..catalog import partition, record_dataset, set_state, state_counts, upsert_samples
-from ..prepare import read_manifest
-from ..render import catalog_rows, read_render_manifest
-from ..merge import smoke_inputs
 
 # %% ../../nbs/96_phases/20_catalog.ipynb #2550e187
 class Params(_Params):
@@ -39,6 +35,10 @@ def catalog_dataset(
     name: str,  # the dataset
 ) -> int:  # samples upserted
     "Record dataset `name`'s prepare manifest and upsert its rendered samples, their render state done"
+    from eagle3nb.catalog import record_dataset, set_state, upsert_samples
+    from eagle3nb.prepare import read_manifest
+    from eagle3nb.render import catalog_rows, read_render_manifest
+
     rendered, prepared = Path(root) / 'rendered' / name, Path(root) / 'prepared' / name
     if read_render_manifest(rendered) is None:
         raise FileNotFoundError(f'{rendered}: not rendered; run the render phase first')
@@ -55,6 +55,10 @@ SMOKE = ('glaive_toolcall', 'alpaca')  # the sample datasets of a smoke run
 @phase('catalog', '20_catalog', Params, Record, help='every rendered sample into the catalog, then the partitions')
 def run(ctx: RunContext, p: Params) -> Record:
     "Every rendered sample of the recipe into the catalog with its lengths; the partitions decided by SQL"
+    from eagle3nb.catalog import partition, state_counts
+    from eagle3nb.merge import smoke_inputs
+    from eagle3nb.render import read_render_manifest
+
     r = smoke_inputs(ctx.recipe, names=SMOKE, catalog=False) if ctx.smoke else ctx.recipe
     root, cat = Path(r.data_root), r.catalog
     for ds in r.datasets:

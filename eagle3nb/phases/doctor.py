@@ -9,8 +9,6 @@ __all__ = ['Params', 'Record', 'launches', 'run']
 from pathlib import Path
 from pydantic import Field
 from ..phase import Params as _Params, Record as _Record, RunContext, phase, write_record
-from ..doctor import DoctorError, doctor, toy_export
-from ..export import launch_commands, write_launch_scripts
 
 # %% ../../nbs/96_phases/71_doctor.ipynb #98e7dda6
 class Params(_Params):
@@ -48,6 +46,9 @@ def launches(run_dir, server_args: str = '', server: str = '') -> dict:  # sourc
 # %% ../../nbs/96_phases/71_doctor.ipynb #31169811
 def _draft(ctx: RunContext, p: Params) -> Path:
     "The export to check; in a smoke run a small good one built here, with its launch scripts"
+    from eagle3nb.doctor import toy_export
+    from eagle3nb.export import launch_commands, write_launch_scripts
+
     d = Path(p.draft or ctx.data_root / 'export')
     if ctx.smoke:
         d = toy_export(ctx.target, d)
@@ -58,6 +59,8 @@ def _draft(ctx: RunContext, p: Params) -> Path:
 @phase('doctor', '71_doctor', Params, Record, help='check the exported draft against its target and every launch of it')
 def run(ctx: RunContext, p: Params) -> Record:
     "Doctor the export once per launch; on any failure write the record, then raise `DoctorError`"
+    from eagle3nb.doctor import DoctorError, doctor
+
     d = _draft(ctx, p)
     if not (d / 'config.json').exists() and not ctx.recipe.datasets:
         return Record(skipped='the recipe lists no datasets, so nothing was trained or exported')

@@ -7,13 +7,8 @@ __all__ = ['CONFIG_KEYS', 'Params', 'Record', 'run', 'tensors', 'config_keys']
 
 # %% ../../nbs/96_phases/70_export.ipynb #d8e2aecd
 from pathlib import Path
-import pandas as pd
 from pydantic import Field
-from safetensors.torch import load_file
 from ..phase import Params as _Params, Record as _Record, RunContext, phase
-from ..export import export_draft, check_export, launch_commands, random_checkpoint, sglang_problem
-from ..export import write_launch_scripts
-from ..train import latest_checkpoint
 
 # %% ../../nbs/96_phases/70_export.ipynb #30c0fa39
 class Params(_Params):
@@ -39,6 +34,9 @@ class Record(_Record):
 # %% ../../nbs/96_phases/70_export.ipynb #2e8418a9
 def _checkpoint(ctx: RunContext, p: Params) -> Path | None:
     "The checkpoint to export: the given one, the run's newest, or in a smoke run a random one"
+    from eagle3nb.export import random_checkpoint
+    from eagle3nb.train import latest_checkpoint
+
     ck = Path(p.checkpoint) if p.checkpoint else latest_checkpoint(ctx.run_dir)
     if ck is None and ctx.smoke:
         ck = random_checkpoint(ctx.target, ctx.run_dir / 'smoke')  # no training in a smoke run: a random draft
@@ -53,6 +51,8 @@ def _checkpoint(ctx: RunContext, p: Params) -> Path | None:
 @phase('export', '70_export', Params, Record, help='the newest checkpoint as a draft folder SGLang and vLLM load')
 def run(ctx: RunContext, p: Params) -> Record:
     "Export the run's checkpoint, check the result, and write its launch commands into the run folder"
+    from eagle3nb.export import check_export, export_draft, launch_commands, sglang_problem, write_launch_scripts
+
     ck = _checkpoint(ctx, p)
     if ck is None:
         return Record(skipped='the recipe lists no datasets, so nothing was trained')
@@ -76,8 +76,11 @@ CONFIG_KEYS = (
 )
 
 
-def tensors(rec: Record) -> pd.DataFrame:
+def tensors(rec: Record):  # a DataFrame: tensor, shape, dtype
     "Name, shape and dtype of each tensor of the exported draft (none when the phase skipped)"
+    import pandas as pd
+    from safetensors.torch import load_file
+
     w = load_file(str(Path(rec.out) / 'model.safetensors')) if rec.out else {}
     rows = [(k, tuple(v.shape), str(v.dtype).replace('torch.', '')) for k, v in w.items()]
     return pd.DataFrame(rows, columns=['tensor', 'shape', 'dtype'])

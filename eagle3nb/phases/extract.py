@@ -8,12 +8,8 @@ __all__ = ['SMOKE_SAMPLES', 'ENGINES', 'COLUMNS', 'Params', 'Record', 'smoke_cor
 
 # %% ../../nbs/96_phases/50_extract.ipynb #ca7aba6d
 from pathlib import Path
-import pandas as pd
 from pydantic import Field
 from ..phase import Params as _Params, Record as _Record, RunContext, phase
-from ..extract import extract_recipe
-from ..engine_extract import extract_context_engine
-from ..store import HiddenStates, bytes_per_token
 
 # %% ../../nbs/96_phases/50_extract.ipynb #3cd64fd2
 class Params(_Params):
@@ -93,6 +89,9 @@ ENGINES = ('hf', 'vllm')
 )
 def run(ctx: RunContext, p: Params) -> Record:
     "Extract every corpus split in every mode, here (hf) or through a vLLM server (vllm); validate each store"
+    from eagle3nb.engine_extract import extract_context_engine
+    from eagle3nb.extract import extract_recipe
+
     if p.engine not in ENGINES:
         raise ValueError(f"engine {p.engine!r}: use hf or vllm")
     modes = p.modes or ('bf16,compact' if ctx.smoke else 'bf16')
@@ -126,19 +125,24 @@ COLUMNS = [
 ]
 
 
-def table(rec: Record) -> pd.DataFrame:
+def table(rec: Record):  # a DataFrame of `COLUMNS`
     "The record's rows, one per mode and split"
+    import pandas as pd
+
     return pd.DataFrame(rec.rows, columns=COLUMNS)
 
 
-def first_store(rec: Record) -> HiddenStates | None:
+def first_store(rec: Record):  # a `store.HiddenStates`; None when the record has no rows
     "The store of the record's first row, None when it has none"
+    from eagle3nb.store import HiddenStates
+
     return HiddenStates(Path(rec.hidden) / rec.rows[0]['mode'] / rec.rows[0]['split']) if rec.rows else None
 
 
 def plot_bytes(rec: Record):  # the matplotlib Axes; None when nothing was extracted
     "Bytes per token on disk of each mode, beside the plan's and 8H"
     import matplotlib.pyplot as plt
+    import pandas as pd
 
     t = table(rec)
     if not len(t):
@@ -157,4 +161,6 @@ def plot_bytes(rec: Record):  # the matplotlib Axes; None when nothing was extra
 
 def planned_sizes(topk: int = 64, H: int = 7168) -> dict:  # mode -> bytes per token
     "Bytes per token of each mode for a target of hidden size `H` (Kimi-K2.5's by default)"
+    from eagle3nb.store import bytes_per_token
+
     return dict(bf16=bytes_per_token('bf16', H), compact=bytes_per_token('compact', H, topk=topk))

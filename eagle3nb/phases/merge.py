@@ -9,21 +9,20 @@ __all__ = ['EMPTY', 'FATES', 'Params', 'Record', 'run', 'plot_fates']
 from pathlib import Path
 from pydantic import Field
 from ..phase import Params as _Params, Record as _Record, RunContext, phase
-from ..merge import MERGE_DEFAULTS, merge_recipe, merge_table, smoke_inputs
 
 # %% ../../nbs/96_phases/40_merge.ipynb #1e173f39
 class Params(_Params):
     mix: dict = Field(
-        MERGE_DEFAULTS['mix'],
+        {},
         description='dataset -> count (int) or ratio (float in [0, 1]); unnamed datasets are taken whole',
     )
     eval_fraction: float = Field(
-        MERGE_DEFAULTS['eval_fraction'],
+        0.02,
         description='share of the drawn samples held out for eval (whole conversations)',
     )
     seed: int = Field(-1, description="mix draw and shuffle; -1 means the recipe's seed")
     extra: list = Field(
-        MERGE_DEFAULTS['extra'],
+        [],
         description='further merge inputs: folders of Arrow datasets with the rendered columns (e.g. generated)',
     )
     force: bool = Field(False, description='merge again even when corpus.json matches')
@@ -48,6 +47,8 @@ EMPTY = 'empty corpus: the recipe lists no datasets (or no rendered inputs); not
 @phase('merge', '40_merge', Params, Record, help='the rendered (and generated) samples into one corpus')
 def run(ctx: RunContext, p: Params) -> Record:
     "Merge the recipe's rendered (and generated, and `extra`) datasets into `<data_root>/corpus/`"
+    from eagle3nb.merge import merge_recipe, smoke_inputs
+
     r = smoke_inputs(ctx.recipe) if ctx.smoke else ctx.recipe
     seed = None if p.seed < 0 else p.seed  # None: the recipe's
     m = merge_recipe(r, p.force, mix=p.mix or None, eval_fraction=p.eval_fraction, seed=seed, extra=p.extra or None)
@@ -60,6 +61,7 @@ FATES = ['train', 'eval', 'duplicates', 'replaced', 'prompt_only', 'excluded', '
 def plot_fates(rec: Record):  # the matplotlib Axes, None for an empty corpus
     "The fate of each rendered sample, a stacked bar per dataset"
     import matplotlib.pyplot as plt
+    from eagle3nb.merge import merge_table
 
     table = merge_table(rec.model_dump())
     if not len(table):

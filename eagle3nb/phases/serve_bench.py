@@ -8,23 +8,9 @@ __all__ = ['NOTE', 'SMOKE_PROMPTS', 'Params', 'Record', 'endpoints', 'agreement'
 
 # %% ../../nbs/96_phases/80_serve_bench.ipynb #f3ad1d4a
 from pathlib import Path
-import pandas as pd
 from pydantic import Field
 from ..phase import Params as _Params, Record as _Record, RunContext, phase
 from ..engine import engine_available, mla_disable_for
-from ..export import launch_commands
-from ..verify import recipe_prompts
-from eagle3nb.servebench import (
-    WORKED_EXAMPLE,
-    bench_record,
-    break_even,
-    break_even_lines,
-    break_even_table,
-    concurrency_list,
-    eval_prompts,
-    plot_serve_bench,
-    serve_bench,
-)
 
 # %% ../../nbs/96_phases/80_serve_bench.ipynb #3e13b1ed
 class Params(_Params):
@@ -95,8 +81,8 @@ def endpoints(ctx: RunContext, p: Params, export: Path) -> tuple:  # baseline, s
     return t, t, None
 
 # %% ../../nbs/96_phases/80_serve_bench.ipynb #3fcb01c7
-def agreement(ctx: RunContext, df: pd.DataFrame, n: int, max_tokens: int, k: int):  # -> dict | None
-    "serve-bench's accept lengths beside the verify phase's, when verify left a measured record in this run"
+def agreement(ctx: RunContext, df, n: int, max_tokens: int, k: int):  # -> dict | None
+    "serve-bench's accept lengths (`df`: `serve_bench`'s table) beside verify's, when verify left a measured record"
     from eagle3nb.phases.verify import run as verify_phase
 
     ver = verify_phase.read(ctx.run_dir)
@@ -115,7 +101,7 @@ def agreement(ctx: RunContext, df: pd.DataFrame, n: int, max_tokens: int, k: int
 SMOKE_PROMPTS = ['Say hello.', 'Count to five.', 'Name a colour.', 'What is 2 + 2?']
 
 
-def dead_rows(df: pd.DataFrame):
+def dead_rows(df):  # `serve_bench`'s table
     "`RuntimeError` when some endpoint answered no request at some concurrency: no benchmark"
     dead = df[df.ok == 0]
     if len(dead):
@@ -126,6 +112,15 @@ def dead_rows(df: pd.DataFrame):
 def bench(ctx: RunContext, base, spec, engine, prompts: list, cs: list, max_tokens: int, export: Path, k: int):
     "Bench `base` against `spec` on `prompts`; the record, and break_even.png in the run folder"
     import matplotlib.pyplot as plt
+    from eagle3nb.export import launch_commands
+    from eagle3nb.servebench import (
+        WORKED_EXAMPLE,
+        bench_record,
+        break_even,
+        break_even_table,
+        plot_serve_bench,
+        serve_bench,
+    )
 
     key = base.api_key or spec.api_key
     df = serve_bench(
@@ -148,6 +143,9 @@ def bench(ctx: RunContext, base, spec, engine, prompts: list, cs: list, max_toke
 @phase('serve_bench', '80_serve_bench', Params, Record, help='tok/s, TTFT, accept length, break-even', served=True)
 def run(ctx: RunContext, p: Params) -> Record:
     "Bench a baseline and a speculative endpoint on the eval prompts at each concurrency"
+    from eagle3nb.servebench import concurrency_list, eval_prompts
+    from eagle3nb.verify import recipe_prompts
+
     cs = concurrency_list(p.concurrencies, 'concurrencies')
     export, k = Path(p.export or ctx.data_root / 'export'), p.num_speculative_tokens
     if ctx.smoke:  # the toy in transformers serve as both endpoints: a plumbing check of a few seconds
@@ -164,13 +162,18 @@ def run(ctx: RunContext, p: Params) -> Record:
     return bench(ctx, base, spec, engine, prompts, cs, p.max_tokens, export, k)
 
 # %% ../../nbs/96_phases/80_serve_bench.ipynb #8c69716e
-def table(rec: Record) -> pd.DataFrame:
+def table(rec: Record):  # -> pandas.DataFrame
     "The bench's rows without the URLs and errors, rounded"
+    import pandas as pd
+
     return pd.DataFrame(rec.rows).drop(columns=['url', 'model', 'errors']).round(3)
 
 
 def lines(rec: Record) -> list:
     "What the numbers say: failures, the break-even at each concurrency, agreement with verify"
+    import pandas as pd
+    from eagle3nb.servebench import break_even_lines
+
     df = pd.DataFrame(rec.rows)
     out = [
         f'{r.endpoint} C={r.concurrency}: {r.failed} failed, e.g. {r.errors[0]}' for r in df.itertuples() if r.errors
@@ -199,4 +202,7 @@ def launch_text(rec: Record) -> str:
 
 def plot(rec: Record):  # the matplotlib Axes
     "The break-even curves of the bench (the seeds' worked example when no accept length was measured)"
+    import pandas as pd
+    from eagle3nb.servebench import plot_serve_bench
+
     return plot_serve_bench(pd.DataFrame(rec.rows))

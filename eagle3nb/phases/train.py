@@ -11,14 +11,9 @@ import json, math, time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-import torch
 from pydantic import Field, field_validator
 from ..phase import Params as _Params, Record as _Record, RunContext, phase
-from ..draft import draft_options, new_draft
 from ..recipe import atomic_write
-from ..store import HiddenStates, shard_files
-from ..train import TrainConfig, evaluate, latest_checkpoint, target_tensors, toy_samples, train
-from ..vocab import load_vocab, top_k_ids, vocab_maps
 
 # %% ../../nbs/96_phases/60_train.ipynb #826662ca
 ZERO_MEANS = dict(  # parameter left at 0 -> (the smoke run's value, a recipe's)
@@ -44,12 +39,12 @@ class Params(_Params):
     max_steps: int = Field(0, description=_zero('optimizer steps', 'max_steps'))
     warmup_steps: int = Field(0, description=_zero('linear warmup steps', 'warmup_steps'))
     lr: float = Field(0.0, description=_zero('peak learning rate', 'lr'))
-    ttt_steps: int = Field(TrainConfig.ttt_steps, description='unrolled draft steps (EAGLE-3 default 7)')
+    ttt_steps: int = Field(7, description='unrolled draft steps (EAGLE-3 default 7)')
     batch_size: int = Field(0, description=_zero('samples per rank per step', 'batch_size'))
     ckpt_every: int = Field(0, description=_zero('steps between checkpoints', 'ckpt_every'))
     eval_every: int = Field(0, description=_zero('steps between evaluations', 'eval_every'))
     mask_rule: str = Field(
-        TrainConfig.mask_rule,
+        'inference',
         description='TTT attention mask: inference (as engines draft) or eagle3 (see eagle3nb.train)',
     )
     draft: dict = Field(
@@ -61,6 +56,8 @@ class Params(_Params):
     @field_validator('draft')
     @classmethod
     def _draft_block(cls, d: dict) -> dict:
+        from eagle3nb.draft import draft_options
+
         return draft_options(d)
 
     @field_validator('mask_rule')
@@ -71,8 +68,10 @@ class Params(_Params):
         return v
 
 # %% ../../nbs/96_phases/60_train.ipynb #4bdb329b
-def train_config(p: Params, smoke: bool) -> TrainConfig:
+def train_config(p: Params, smoke: bool):  # -> train.TrainConfig
     "The run's `TrainConfig`: each parameter of `p` left at 0 takes its `ZERO_MEANS` value for this kind of run"
+    from eagle3nb.train import TrainConfig
+
     v = {k: getattr(p, k) or ZERO_MEANS[k][0 if smoke else 1] for k in ZERO_MEANS}
     return TrainConfig(ttt_steps=p.ttt_steps, mask_rule=p.mask_rule, log_every=math.gcd(10, v['ckpt_every']), **v)
 
@@ -83,17 +82,20 @@ class Inputs:
 
     train: object  # the train split's samples: a list of dicts (smoke) or a `HiddenStates` store
     eval: object  # the eval split's, or None
-    embed: torch.Tensor  # (V, H) the target's input embeddings
-    lm_head: torch.Tensor | None  # (V, H) the target's lm_head, for samples that carry `final` (bf16 stores)
+    embed: object  # (V, H) tensor: the target's input embeddings
+    lm_head: object  # (V, H) tensor: the target's lm_head, for samples that carry `final` (bf16 stores); or None
     config: object  # the target's (text) config
-    d2t: torch.Tensor  # (Vd,) draft -> target id offsets
-    t2d: torch.Tensor  # (V,) bool, target ids in the draft vocab
+    d2t: object  # (Vd,) tensor: draft -> target id offsets
+    t2d: object  # (V,) bool tensor: target ids in the draft vocab
     mode: str = ''  # the store read: bf16 or compact; '' for the smoke run's samples in memory
     dataset_of: dict | None = None  # sample_id -> dataset, for per-dataset reports of store rows
 
 
 def smoke_inputs(ctx: RunContext) -> Inputs:
     "The smoke run's: 8 train and 4 eval generations of the toy target; its 1024 commonest tokens, the draft vocab"
+    from eagle3nb.train import toy_samples
+    from eagle3nb.vocab import top_k_ids, vocab_maps
+
     ts = toy_samples(n=8, new_tokens=48, eval_n=4, name=ctx.recipe.target.toy)
     d2t, t2d = vocab_maps(top_k_ids(ts['counts'], 1024), ts['V'])
     return Inputs(ts['train'], ts['eval'], ts['embed'], None, ts['config'], d2t, t2d)  # samples carry target_logits
@@ -113,6 +115,10 @@ def dataset_map(root) -> dict | None:  # sample_id -> dataset
 
 def store_inputs(ctx: RunContext, mode: str = '') -> Inputs | str:  # the inputs, or why there are none
     "A recipe's: the `mode` store (default bf16, else compact) of the extract phase, the vocab phase's maps"
+    from eagle3nb.store import HiddenStates, shard_files
+    from eagle3nb.train import target_tensors
+    from eagle3nb.vocab import load_vocab
+
     root = ctx.data_root
     found = [m for m in ((mode,) if mode else ('bf16', 'compact')) if shard_files(root / 'hidden' / m / 'train')]
     if not found:
@@ -140,6 +146,7 @@ def store_inputs(ctx: RunContext, mode: str = '') -> Inputs | str:  # the inputs
 # %% ../../nbs/96_phases/60_train.ipynb #ee68689d
 def toy_store(root, inp: Inputs, layer_ids=(2, 4, 5)) -> Path:
     "Write `inp`'s samples (from `toy_samples(..., final=True)`) as a bf16 hidden-state store and vocab under `root`"
+    import torch
     from eagle3nb.store import ShardWriter, shard_meta
 
     root = Path(root)
@@ -200,6 +207,9 @@ _FAMILY = ('arch', 'fc_norm', 'norm_before_fc', 'norm_output', 'rope_scaling')
 @phase('train', '60_train', Params, Record, help='TTT training of the draft, and its accept length offline')
 def run(ctx: RunContext, p: Params) -> Record:
     "Train the draft on the run's inputs (resuming from `run_dir`'s last checkpoint); the accept table before and after"
+    from eagle3nb.draft import new_draft
+    from eagle3nb.train import evaluate, latest_checkpoint, train
+
     say = print if ctx.rank == 0 else (lambda *a: None)
     inp = smoke_inputs(ctx) if ctx.smoke else store_inputs(ctx, p.mode)
     if isinstance(inp, str):

@@ -11,7 +11,6 @@ from pathlib import Path
 from pydantic import Field
 from ..phase import Params as _Params, Record as _Record, RunContext, phase, write_record
 from ..engine import EngineNotFound, engine_available
-from ..verify import recipe_prompts, toy_export, verify, verify_json, verify_report, verify_rows
 
 # %% ../../nbs/96_phases/72_verify.ipynb #3d7c27f3
 class Params(_Params):
@@ -61,6 +60,8 @@ class Record(_Record):
 # %% ../../nbs/96_phases/72_verify.ipynb #75ab6165
 def record(res: dict, p: Params, export, target) -> Record:
     "The record of one `verify` result: its `--json` figures, the checks, the problems, the served text's variety"
+    from eagle3nb.verify import verify_json, verify_rows
+
     checks = verify_rows(res).to_dict('records')
     failed = [c for c in checks if c['status'] == 'FAIL']
     counted = [c for c in failed if p.require_acceptance or c['check'] != 'acceptance']
@@ -94,6 +95,8 @@ def no_engine() -> Record:
 
 def inputs(ctx: RunContext, p: Params) -> tuple:  # export folder, prompts; or None and why there is nothing
     "What to verify: a smoke run's draft trained on its toy, else the recipe's export and its eval prompts"
+    from eagle3nb.verify import recipe_prompts, toy_export
+
     if ctx.smoke:
         k = p.num_speculative_tokens
         return toy_export(ctx.recipe.target.toy, ctx.run_dir, p.n, p.max_tokens + 8, ttt_steps=k)
@@ -110,6 +113,8 @@ def inputs(ctx: RunContext, p: Params) -> tuple:  # export folder, prompts; or N
 )
 def run(ctx: RunContext, p: Params) -> Record:
     "Serve the export in vLLM beside the target alone; a failing check fails the phase, its record kept"
+    from eagle3nb.verify import verify
+
     if not engine_available(p.engine or None):
         return no_engine()
     export, prompts = inputs(ctx, p)
@@ -129,6 +134,7 @@ def run(ctx: RunContext, p: Params) -> Record:
 def report(rec: Record) -> str:
     "The checks as `eagle3nb verify` prints them; or why there was nothing to verify"
     import pandas as pd
+    from eagle3nb.verify import verify_report
 
     return verify_report(pd.DataFrame(rec.checks)) if rec.checks else f'nothing to verify: {rec.skipped}'
 

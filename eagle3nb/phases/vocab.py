@@ -7,18 +7,15 @@ __all__ = ['SMOKE_DRAFT_VOCAB', 'EMPTY', 'Params', 'Record', 'run', 'plot_record
 
 # %% ../../nbs/96_phases/45_vocab.ipynb #6b4d6c24
 from pathlib import Path
-import torch
 from pydantic import Field
 from ..phase import Params as _Params, Record as _Record, RunContext, phase
-from ..merge import merge_recipe, read_corpus_manifest, smoke_inputs
-from ..vocab import DRAFT_VOCAB, coverage_at, plot_coverage, vocab_recipe
 
 # %% ../../nbs/96_phases/45_vocab.ipynb #4941755d
 SMOKE_DRAFT_VOCAB = 256  # K of a smoke run: its corpus has a few thousand supervised tokens
 
 
 class Params(_Params):
-    draft_vocab: int = Field(DRAFT_VOCAB, description='K: draft head size, capped at the target vocabulary')
+    draft_vocab: int = Field(32_000, description='K: draft head size, capped at the target vocabulary')
     force: bool = Field(False, description='recount even when vocab.json matches')
 
 
@@ -41,6 +38,10 @@ EMPTY = 'empty corpus: the train split has no samples (the recipe lists no datas
 @phase('vocab', '45_vocab', Params, Record, help='the draft vocabulary (d2t, t2d) from the corpus, on CPU')
 def run(ctx: RunContext, p: Params) -> Record:
     "Choose the draft vocabulary from the corpus train split into `<data_root>/vocab/`"
+    import torch
+    from eagle3nb.merge import merge_recipe, read_corpus_manifest, smoke_inputs
+    from eagle3nb.vocab import coverage_at, vocab_recipe
+
     r, k = ctx.recipe, p.draft_vocab
     if ctx.smoke:
         r, k = smoke_inputs(r), min(k, SMOKE_DRAFT_VOCAB)
@@ -58,4 +59,7 @@ def run(ctx: RunContext, p: Params) -> Record:
 # %% ../../nbs/96_phases/45_vocab.ipynb #306ef610
 def plot_record(rec: Record):  # the matplotlib Axes
     "The coverage curve of the vocabulary in `rec`, the chosen K dashed"
+    import torch
+    from eagle3nb.vocab import plot_coverage
+
     return plot_coverage(torch.load(Path(rec.out) / 'counts.pt'), rec.draft_vocab)
