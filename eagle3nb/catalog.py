@@ -45,12 +45,14 @@ def lock_holder(msg: str) -> int | None:  # PID, or None when `msg` is not a loc
 
 # %% ../nbs/01_catalog.ipynb #90cbc04d
 def describe_pid(pid: int) -> str:
-    "What process `pid` is, from its /proc command line"
+    "What process `pid` is, from its command line (psutil)"
+    import psutil
+
     try:
-        argv = Path(f'/proc/{pid}/cmdline').read_bytes().split(b'\0')
-    except OSError:
+        argv = psutil.Process(pid).cmdline()
+    except (psutil.Error, OSError):
         return f'PID {pid} (not visible from here: another container or host?)'
-    cmd = ' '.join(a.decode(errors='replace') for a in argv if a)
+    cmd = ' '.join(a for a in argv if a)
     what = next((w for k, w in _WHAT if k in cmd), 'a process')
     return f'PID {pid}, {what}: {cmd[:200]}'
 

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['WEIGHTS_HINT', 'MARKER', 'RecipeError', 'one_name', 'Target', 'Dataset', 'Recipe', 'parse_recipe', 'BadFile',
            'bad_file', 'read_text', 'read_json', 'open_safetensors', 'check_weights', 'DuplicateKey', 'UniqueKeyLoader',
-           'load_yaml', 'load_recipe', 'resolve', 'api_key', 'atomic_write', 'recipe_dict', 'save_recipe',
+           'load_yaml', 'load_recipe', 'resolve', 'api_key', 'atomic_write', 'recipe_dict', 'write_json', 'save_recipe',
            'fingerprint', 'default_aux_layers', 'aux_rule', 'check_aux_layers', 'mark_output', 'read_marker',
            'claim_output', 'remove_stale', 'output_temp', 'publish_output', 'publishing', 'model_dir', 'retrying']
 
@@ -358,6 +358,15 @@ def atomic_write(
 def recipe_dict(r: Recipe) -> dict:
     "Plain dict of `r` (what the YAML would hold)"
     return r.model_dump(mode='json')
+
+
+def write_json(path, obj, **kw) -> Path:
+    "Write `obj` as JSON at `path` whole (`atomic_write`): a reader never sees half of it; `kw` go to `json.dumps`"
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write(path) as f:
+        f.write(json.dumps(obj, **{'indent': 1, **kw}) + '\n')
+    return path
 
 
 def save_recipe(r: Recipe, path) -> Path:

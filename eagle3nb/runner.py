@@ -289,10 +289,9 @@ def load_state(run_dir) -> dict:
 
 def save_state(run_dir, state: dict):
     "Write `run.json` atomically"
-    from eagle3nb.recipe import atomic_write  # a fresh temp name beside it: never a user's `.run.json.tmp`
+    from eagle3nb.recipe import write_json  # a fresh temp name beside it: never a user's `.run.json.tmp`
 
-    with atomic_write(Path(run_dir) / 'run.json') as f:
-        f.write(json.dumps(state, indent=1))
+    write_json(Path(run_dir) / 'run.json', state)
 
 
 def set_aside(record: Path, why: str = 'failed') -> Path | None:

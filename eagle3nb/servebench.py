@@ -458,10 +458,9 @@ def bench_record(df: pd.DataFrame, **extra) -> dict:
 
 def _write_json(path: Path, obj):
     "Write `obj` as JSON to `path` whole, under a fresh temp name (never a user's `.NAME.tmp`)"
-    from eagle3nb.recipe import atomic_write
+    from eagle3nb.recipe import write_json
 
-    with atomic_write(path) as f:
-        f.write(json.dumps(obj, indent=1, default=str))
+    write_json(path, obj, default=str)
 
 # %% ../nbs/80_servebench.ipynb #fe316461
 def _check_out(out) -> Path | None:

@@ -316,7 +316,7 @@ def verify_cli(
     engine=None,  # a vLLM venv or its python
 ) -> int:  # exit status
     "`eagle3nb verify DRAFT --target T`: print the table, write --json; 1 if any check fails"
-    from eagle3nb.recipe import atomic_write
+    from eagle3nb.recipe import write_json
 
     for p, what in ((draft, 'draft'), (target, 'target')):
         if not (Path(p) / 'config.json').is_file():
@@ -328,7 +328,5 @@ def verify_cli(
     df = verify_rows(r)
     print(verify_report(df))
     if json_out:
-        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        with atomic_write(json_out) as f:
-            f.write(json.dumps(verify_json(r), indent=1) + '\n')  # a fresh temp name
+        write_json(json_out, verify_json(r))  # whole, under a fresh temp name
     return int((df.status == 'FAIL').any())
