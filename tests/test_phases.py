@@ -79,7 +79,7 @@ def test_cli_starts_without_the_heavy_libraries():
     import sys
 
     code = (
-        "import sys; from eagle3nb.cli import parse_cli; parser(); "
+        "import sys; from eagle3nb.cli import parser; parser(); "
         "print(sorted(m for m in ('torch', 'transformers', 'datasets', 'duckdb') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout
