@@ -390,7 +390,9 @@ class EndpointPool:
 
     def __init__(self, urls: list):
         if not urls:
-            raise ValueError('no endpoints: set target.endpoints, or run inside target_session to serve locally')
+            raise ValueError(
+                'no endpoints: set target.endpoints, or run the phase (its engine session serves the target)'
+            )
         self.out = {u.rstrip('/'): 0 for u in urls}
         self.caps = {}
 
@@ -822,7 +824,7 @@ def summary(run: Run, n_jobs: int, seconds: float) -> dict:
 
 
 def generate(
-    r,  # resolved recipe with live endpoints (the phase gives it the run's; see also `target.target_session`)
+    r,  # resolved recipe with live endpoints (the phase gives it the run's: `phase.EngineSession`)
     p: GenParams = None,  # the parameters; None: `gen_params(r, **kw)`, the recipe's `phases.generate` and `kw`
     progress: bool = True,  # tqdm bars per partition
     out=None,  # folder for the shard files; default `<data_root>/generated`
@@ -931,10 +933,13 @@ def generate_recipe(
     **kw,  # overrides of the recipe's `phases.generate`
 ) -> dict:  # `generate`'s summary
     "Load `recipe`, serve its target if it lists no endpoints, and generate"
-    from eagle3nb.recipe import load_recipe
-    from eagle3nb.target import target_session
+    from eagle3nb.phase import RunContext
 
-    with target_session(load_recipe(recipe)) as r:
+    with RunContext.open(recipe) as ctx:  # its engine session serves the target when the recipe lists no endpoints
+        r = ctx.recipe
+        if not r.target.endpoints:
+            ep = ctx.engines.target()
+            r.target.endpoints, r.target.served_name = [ep.base_url], r.target.served_name or ep.model
         return generate(r, progress=progress, **kw)
 
 # %% ../nbs/30_generate.ipynb #ec33695c

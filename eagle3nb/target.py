@@ -4,10 +4,9 @@
 
 # %% auto #0
 __all__ = ['FAMILY_TOKENS', 'target_summary', 'template_family', 'token_report', 'special_texts', 'render_prompt',
-           'probe_messages', 'probe_completion', 'TargetCheckFailed', 'check_row', 'verdict', 'target_session']
+           'probe_messages', 'probe_completion', 'TargetCheckFailed', 'check_row', 'verdict']
 
 # %% ../nbs/04_target.ipynb #7fda1782
-from contextlib import contextmanager
 from pathlib import Path
 from .recipe import Recipe, RecipeError, default_aux_layers, check_aux_layers
 
@@ -180,30 +179,3 @@ def verdict(rows: list):
             'target check failed: '
             + '; '.join(f"{r['check']}: expected {r['expected']}, saw {r['observed']}" for r in bad)
         )
-
-# %% ../nbs/04_target.ipynb #7e55392b
-@contextmanager
-def target_session(
-    r: Recipe,  # resolved recipe
-    log_dir=None,  # the server log goes here (default: a temp dir)
-    serve=True,  # launch a local server when the recipe lists no endpoints
-    server=None,  # the local server's class, called (model_dir, log_path=...); default `LocalServer`
-):
-    "Yield `r` completed with a built toy target and a live local endpoint where needed"
-    r = r.model_copy(deep=True)
-    if r.target.toy:
-        from eagle3nb.toy import ensure_toy
-
-        r.target.model = str(ensure_toy(r.target.toy, r.target.model))
-    if r.target.endpoints or not serve:
-        yield r
-        return
-    from eagle3nb.server import LocalServer
-
-    with (server or LocalServer)(r.target.model, log_path=Path(log_dir) / 'server.log' if log_dir else None) as srv:
-        r.target.endpoints, r.target.served_name, r.target.served_here = (
-            [srv.base_url],
-            r.target.served_name or srv.model,
-            True,
-        )
-        yield r
