@@ -437,16 +437,6 @@ def _torchrun(nodes: int, per_node: int) -> str:
     )
     return f'torchrun{multi} --nproc_per_node {per_node}'
 
-
-def _papermill(stem: str, run: str, recipe: str, **kw) -> str:
-    "A papermill command (for `bash -c` under torchrun) that runs a phase notebook with one record per rank"
-    ps = ''.join(f' -p {k} {v}' for k, v in kw.items())
-    run = _q(run)
-    return (
-        f"papermill nbs/phases/{stem}.ipynb papermill_runs/{run}/{stem}.rank$RANK.ipynb -p recipe {recipe} -p "
-        f"run_dir papermill_runs/{run}{ps}"
-    )
-
 # %% ../nbs/90_plan.ipynb #1ce3b5a2
 def _prep_cmds(r: Recipe, f: dict, run) -> list:
     D = _q(f['data_root'])
@@ -509,14 +499,18 @@ def _train_cmds(f: dict, run) -> list:
     lines = [run('train') + '   # one process, one GPU']
     if p['gpus'] > 1:
         nodes, per = math.ceil(p['gpus'] / p['gpus_per_node']), min(p['gpus'], p['gpus_per_node'])
-        nb = _papermill(
-            '60_train', RUN, R, device='cuda:$LOCAL_RANK', max_steps=t['steps_for_epochs'] or t['max_steps']
-        )
+        steps = t['steps_for_epochs'] or t['max_steps']
+        cmd = f"{_torchrun(nodes, per)} -m eagle3nb train {R} --run-dir papermill_runs/{_q(RUN)} --max-steps {steps}"
         lines += [
-            f"# DDP over {p['gpus']} GPUs, max_steps for {fmt_n(p['epochs'])} epochs; checkpoints in "
-            f"papermill_runs/{RUN}/checkpoints/:",
-            f"{_torchrun(nodes, per)} --no-python bash -c {_q(nb)}",
+            f"# DDP over {p['gpus']} GPUs (each rank reads RANK, LOCAL_RANK), max_steps for {fmt_n(p['epochs'])} "
+            f"epochs; checkpoints in papermill_runs/{RUN}/checkpoints/:",
+            cmd,
         ]
+        if nodes == 1:
+            lines.append(
+                f"# or, leaving each rank's executed notebook as its record: "
+                f"eagle3nb run {R} --run-id {_q(RUN)} --phases train --nproc {per}"
+            )
     return [('train', 'TTT training of the draft; resumes from the last checkpoint', lines)]
 
 

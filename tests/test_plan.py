@@ -149,7 +149,7 @@ def test_kimi_plan_without_data(tmp_path, monkeypatch, capsys):
     assert (
         '--nnodes 4' in cmds
         and 'eagle3nb extract RECIPE --modes bf16 --device-map auto' in cmds
-        and 'torchrun --nproc_per_node 8 --no-python bash -c' in cmds
+        and 'torchrun --nproc_per_node 8 -m eagle3nb train' in cmds
     )
     assert (
         '--name xlam_60k --out /data/eagle3/kimi-k2.5-agentic-100k/prepared --count 20000 --seed 0 --license cc-by-4.0'

@@ -53,7 +53,13 @@ class Record(_Record):
         if self.plumbing_check:
             return f'plumbing check: one server as both endpoints, {len(self.rows)} runs all answered'
         spec = [r for r in self.rows if r['endpoint'] == 'speculative']
-        return '; '.join(f"C={r['concurrency']} {_times(r['speedup'])}{_at(r['accept_len'])}" for r in spec)
+        line = '; '.join(
+            f"C={r['concurrency']} {r['out_tok_s']:.0f} tok/s, {_times(r['speedup'])}{_at(r['accept_len'])}"
+            for r in spec
+        )
+        if self.verify_accept_length:
+            line += f' (verify {self.verify_accept_length:.2f})'
+        return line + (' (vLLM; CPU toy tok/s is no guide to GPU speed-up)' if self.engine == 'vllm' else '')
 
 
 def _times(x) -> str:
