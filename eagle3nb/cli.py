@@ -315,7 +315,10 @@ def phase_args(sp: argparse.ArgumentParser, ph, suppress: bool = False):
     "The arguments of a phase verb: RECIPE, `--run-dir`, and one flag per parameter (`max_steps` -> `--max-steps`)"
     sp.set_defaults(fn=_phase, phase=ph.key)
     sp.add_argument('recipe', help='recipe YAML, e.g. recipes/demo.yaml')
-    sp.add_argument('--run-dir', help='folder of the phase record (default papermill_runs/<recipe name>-<phase>)')
+    sp.add_argument(
+        '--run-dir', help="folder of the phase's record, shared by the recipe's verbs (default <data_root>/run)"
+    )
+    sp.add_argument('--no-progress', action='store_true', help='no progress bars (TQDM_DISABLE=1)')
     for k, f in ph.Params.model_fields.items():
         flag = '--' + k.replace('_', '-')
         default = argparse.SUPPRESS if suppress else f.get_default(call_default_factory=True)
@@ -324,15 +327,9 @@ def phase_args(sp: argparse.ArgumentParser, ph, suppress: bool = False):
         sp.add_argument(flag, dest=k, default=default, help=(f.description or '') + shown, **kw)
 
 
-def _verb_run_dir(r, key: str) -> Path:
-    "Where a verb's phase record goes: papermill_runs/<recipe name>-<phase> under the repository, else here"
-    from eagle3nb.runner import repo_root
-
-    try:
-        root = repo_root()
-    except FileNotFoundError:
-        root = Path.cwd()
-    return root / 'papermill_runs' / f'{r.name}-{key}'
+def _verb_run_dir(r) -> Path:
+    "Where a verb's phase records go: one folder per recipe, `<data_root>/run/`, so its phases find each other's"
+    return Path(r.data_root) / 'run'
 
 
 def _phase(a):
@@ -346,11 +343,13 @@ def _phase(a):
         raise RecipeError('; '.join(bad))
     given = {k: v for k, v in vars(a.given).items() if k in ph.Params.model_fields}
     p = ph.Params(**{**r.phases.get(ph.key, {}), **given})
-    run_dir = Path(a.run_dir) if a.run_dir else _verb_run_dir(r, ph.key)
-    with RunContext.open(r, run_dir) as ctx:
+    run_dir = Path(a.run_dir) if a.run_dir else _verb_run_dir(r)
+    if a.no_progress:
+        os.environ['TQDM_DISABLE'] = '1'  # tqdm reads it in every bar, ours and the libraries'
+    with RunContext.open(a.recipe, run_dir) as ctx:
         rec = ph(ctx, p)
     if ctx.rank == 0:
-        print(f"{ph.key}: {rec.headline() or 'done'}\nrecord: {run_dir / ph.record_name}")
+        print(f"{ph.key}: {rec.headline() or 'done'}\nwrote {run_dir / ph.record_name}")
 
 # %% ../nbs/99_cli.ipynb #d620a11f
 def parser(suppress: bool = False) -> argparse.ArgumentParser:

@@ -571,6 +571,8 @@ def extract_context_engine(
 ) -> list:  # one `extract_recipe` row per mode and split
     "Extract every corpus split of `ctx`'s recipe in every mode through a vLLM server; validate each store"
     r, ph = ctx.recipe, ctx.phase_params('extract')
+    if not r.target.endpoints or r.target.served_here:  # the engine we launch loads it: refuse missing layers first
+        check_layer_weights(r.target.model)
     req = extraction_request(r, modes, splits, log)
     if req is None:
         return []

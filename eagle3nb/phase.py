@@ -257,6 +257,7 @@ class RunContext:
     world: int = 1
     device: str = 'cpu'
     engines: Any = None  # the `EngineSession`
+    source: str = ''  # the recipe file it was opened from (commands a phase prints name it); '' for a Recipe
 
     @classmethod
     def open(cls, recipe='', run_dir='', toy: str = 'kimi-tiny'):  # -> RunContext
@@ -274,7 +275,8 @@ class RunContext:
 
             r.target.model = str(ensure_toy(r.target.toy, r.target.model))
         rank, world = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
-        ctx = cls(r, run_dir, smoke, rank, world, _device())
+        source = str(Path(recipe).resolve()) if isinstance(recipe, (str, Path)) and recipe else ''
+        ctx = cls(r, run_dir, smoke, rank, world, _device(), source=source)
         ctx.engines = EngineSession(r, run_dir)
         return ctx
 
@@ -426,10 +428,14 @@ def target(self: EngineSession, engine: str = None) -> Endpoint:
 @patch
 def point(self: EngineSession, url: str, model: str = None) -> Endpoint:
     "A server named by `url` (the recipe's or a parameter's), pointed at as it is: never started, never stopped"
-    from eagle3nb.server import list_models
+    import httpx
+    from eagle3nb.server import ServerNotReady, list_models
 
     key = api_key(self.r) if self.r.target.api_key_env else None
-    model = model or list_models(url, api_key=key)[0]
+    try:
+        model = model or list_models(url, api_key=key)[0]
+    except httpx.TransportError as e:  # nothing answers there: the user's to fix, in one line
+        raise ServerNotReady(f"{url}: no server answers ({e}); start it, or fix target.endpoints") from None
     return Endpoint(url, model, key, 'recipe', 'vllm' if self._is_vllm(url) else None)
 
 

@@ -1482,7 +1482,9 @@ def _commands_parse_back(d: Path, name: str, ds: str) -> bool:
     runs = [w[w.index('--run-id') + 1] for w in words if '--run-id' in w]
     names = [w[w.index('--name') + 1] for w in words if '--name' in w]
     inner = [shlex.split(w[w.index('-c') + 1]) for w in words if '-c' in w and 'bash' in w]
-    ok = bool(runs) and set(runs) == {f'{name}-v1'} and names == [ds] and bool(inner)
+    trains = [w for w in words if w[0] == 'torchrun' and 'train' in w]  # the DDP command of the 16-GPU recipe
+    ok = bool(runs) and set(runs) == {f'{name}-v1'} and names == [ds] and bool(trains)
+    ok = ok and all(w[w.index('train') + 1] == recipe for w in trains)
     ok = ok and all(
         any(recipe == x for x in w) for w in words if 'recipe' in ' '.join(w) and w[1] in ('run', 'generate')
     )

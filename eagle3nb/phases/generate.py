@@ -55,6 +55,8 @@ def run(ctx: RunContext, p: Params) -> Record:
     "The target's responses for every sample of `p.kinds` that has none yet; answered prompts become training samples"
     from eagle3nb.render import load_tokenizer
 
+    if not ctx.smoke:  # the catalog first: a missing or damaged one is said before any server is asked
+        wanted_samples(ctx.catalog, p.kinds)
     endpoint = ctx.engines.target()
     r = smoke_catalog(ctx, endpoint) if ctx.smoke else served(ctx.recipe, endpoint)
     if ctx.smoke and not p.max_new_tokens:

@@ -38,7 +38,7 @@ def run(ctx: RunContext, p: Params) -> Record:
     r = load_recipe(KIMI_RECIPE) if ctx.smoke else ctx.recipe
     state_file = Path(ctx.run_dir) / 'run.json'
     state = json.loads(state_file.read_text()) if state_file.exists() else {}
-    named = state.get('recipe_source') or str(KIMI_RECIPE if ctx.smoke else Path(ctx.run_dir) / 'recipe.yaml')
+    named = state.get('recipe_source') or ctx.source or str(Path(ctx.run_dir) / 'recipe.yaml')  # the user's file
     kw = non_default(**p.model_dump(exclude={'out'}))
     kw['run_id'] = p.run_id or state.get('run_id', '')
     path, f = write_plan(r, p.out or ctx.run_dir, return_facts=True, recipe_path=named, **kw)
