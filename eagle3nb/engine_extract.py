@@ -612,15 +612,7 @@ def extract_context_engine(
 # %% ../nbs/52_engine_extract.ipynb #31644b7c
 def extract_recipe_engine(
     recipe,  # recipe YAML path or resolved `Recipe`
-    modes='bf16',
-    splits='train,eval',
-    topk: int = 64,
-    shard_mb: float = 1024,  # shard size, MB
-    concurrency: int = None,  # requests in flight; default phases.extract.concurrency or 8
-    spool: str = '',  # the engine's spool folder; default phases.extract.spool, else hidden/.engine/spool
-    dtype: str = '',  # local launch: --dtype; default float32 on the CPU build, auto on GPUs
-    progress: bool = True,
-    log=print,
+    **kw,  # `extract_context_engine`'s: modes, splits, topk, shard_mb, concurrency, spool, dtype, progress, log
 ) -> list:  # one `extract_recipe` row per mode and split
     "`extract_context_engine` in a run context of its own for `recipe`"
     from eagle3nb.phase import RunContext
@@ -628,4 +620,4 @@ def extract_recipe_engine(
 
     r = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     with RunContext.open(r, Path(r.data_root) / 'hidden' / '.engine') as ctx:
-        return extract_context_engine(ctx, modes, splits, topk, shard_mb, concurrency, spool, dtype, progress, log)
+        return extract_context_engine(ctx, **kw)

@@ -31,7 +31,7 @@ from eagle3nb.recipe import (
     aux_rule,
 )
 from .server import hold_lock, owned_by, reap_leftovers
-from .phase import PHASES, RunContext, params_problems, phases
+from .phase import KINDS, PHASES, RunContext, number_hint, params_problems, phases
 
 # %% ../nbs/98_runner.ipynb #176be0a2
 def repo_root(start=None) -> Path:
@@ -74,16 +74,7 @@ def select_phases(
     return [s for s in available if s in {by[w] for w in wanted}]
 
 # %% ../nbs/98_runner.ipynb #47079a8e
-_KINDS = dict(
-    int=('an int', lambda v: isinstance(v, int) and not isinstance(v, bool)),
-    float=('a float', lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
-    bool=('a bool (true or false)', lambda v: isinstance(v, bool)),
-    str=('a str', lambda v: isinstance(v, str)),
-    list=('a list', lambda v: isinstance(v, list)),
-    dict=('a dict (a mapping)', lambda v: isinstance(v, dict)),
-)
-
-
+# the kinds of value a parameter may declare, and the hint for a number YAML read as text: `eagle3nb.phase`
 def _split_union(t: str) -> list:
     "`'list[int]|None'` -> `['list[int]', 'None']`, splitting on `|` outside brackets"
     parts, depth, cur = [], 0, ''
@@ -111,10 +102,10 @@ def _declared(
         if base in ('none', 'nonetype'):
             none = True
             continue
-        if base not in _KINDS:
+        if base not in KINDS:
             return None  # no annotation (papermill says 'None'), Any, Path, ...: not ours to judge
         kinds.append(base)
-        if base == 'list' and inner.rstrip(']').lower() in _KINDS:
+        if base == 'list' and inner.rstrip(']').lower() in KINDS:
             elem = inner.rstrip(']').lower()
     return (kinds, elem, none) if kinds else None
 
@@ -129,23 +120,12 @@ def param_problem(
         return None
     kinds, elem, none = d
     if value is None:
-        return None if none or str(decl.get('default')).strip() == 'None' else f"null is not {_KINDS[kinds[0]][0]}"
-    if not any(_KINDS[k][1](value) for k in kinds):
-        return f"{value!r} is not {' or '.join(_KINDS[k][0] for k in kinds)}"
-    if elem and isinstance(value, list) and (bad := [x for x in value if not _KINDS[elem][1](x)]):
-        return f"{bad[0]!r} in {value!r} is not {_KINDS[elem][0]}"
+        return None if none or str(decl.get('default')).strip() == 'None' else f"null is not {KINDS[kinds[0]][0]}"
+    if not any(KINDS[k][1](value) for k in kinds):
+        return f"{value!r} is not {' or '.join(KINDS[k][0] for k in kinds)}"
+    if elem and isinstance(value, list) and (bad := [x for x in value if not KINDS[elem][1](x)]):
+        return f"{bad[0]!r} in {value!r} is not {KINDS[elem][0]}"
     return None
-
-
-def _number_hint(value, decl) -> str:
-    "How to write a number YAML read as text"
-    try:
-        float(value)
-    except (TypeError, ValueError):
-        return ''
-    if 'e' in value.lower() and '.' not in value:
-        return f"; YAML reads {value} as text: write it with a dot, e.g. {value.lower().replace('e', '.0e', 1)}"
-    return '; write the number without quotes'
 
 # %% ../nbs/98_runner.ipynb #3f2430a5
 RESERVED = ('recipe', 'run_dir')  # set by the runner, never by the recipe
@@ -178,7 +158,7 @@ def check_phase_params(
         why = param_problem(v, known[k])
         if why:
             decl = f"{nb.name} declares {k}: {known[k]['inferred_type_name']} = {known[k]['default']}"
-            hint = _number_hint(v, known[k]) if isinstance(v, str) else ''
+            hint = number_hint(v) if isinstance(v, str) else ''
             bad.append(f"phases.{key}.{k}: {why} ({decl}){hint}")
     if bad:
         raise RecipeError('; '.join(bad))
