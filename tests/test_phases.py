@@ -84,3 +84,10 @@ def test_cli_starts_without_the_heavy_libraries():
     )
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == '[]', f'imported at CLI start: {out}'
+
+
+@pytest.mark.parametrize('stem', list(NOTEBOOKS))
+def test_notebook_names_its_kernel(stem):
+    "papermill needs the notebook's kernelspec (its language) to execute it: every phase notebook carries one"
+    ks = nbformat.read(NOTEBOOKS[stem], 4).metadata.get('kernelspec', {})
+    assert ks.get('name') == 'python3' and ks.get('language') == 'python', f'{stem}: kernelspec {ks}'
