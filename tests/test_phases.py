@@ -91,3 +91,55 @@ def test_notebook_names_its_kernel(stem):
     "papermill needs the notebook's kernelspec (its language) to execute it: every phase notebook carries one"
     ks = nbformat.read(NOTEBOOKS[stem], 4).metadata.get('kernelspec', {})
     assert ks.get('name') == 'python3' and ks.get('language') == 'python', f'{stem}: kernelspec {ks}'
+
+
+def store_recipe(tmp_path: Path) -> Path:
+    "A recipe on kimi-tiny whose data root holds what the train phase reads: a bf16 store of toy samples and a vocab"
+    import yaml
+    from eagle3nb.phase import RunContext, smoke_recipe
+    from eagle3nb.phases.train import Inputs, smoke_inputs, toy_store
+    from eagle3nb.train import toy_samples
+
+    r = smoke_recipe(tmp_path / 'r')
+    ctx = RunContext.open(r, tmp_path / 'setup')
+    ts = toy_samples(n=4, new_tokens=16, eval_n=2, final=True)
+    inp = smoke_inputs(ctx)
+    toy_store(ctx.data_root, Inputs(ts['train'], ts['eval'], ts['embed'], None, ts['config'], inp.d2t, inp.t2d))
+    d = r.model_dump(mode='json')
+    d['target']['model'] = ctx.target
+    d['phases'] = dict(train=dict(max_steps=2, warmup_steps=1, batch_size=1, ckpt_every=2, eval_every=2, ttt_steps=2))
+    p = tmp_path / 'r.yaml'
+    p.write_text(yaml.safe_dump(d))
+    return p
+
+
+def test_train_verb_and_run_on_two_ranks(tmp_path):
+    "`torchrun -m eagle3nb train RECIPE` and `eagle3nb run RECIPE --phases train --nproc 2`: 2 gloo ranks, one record"
+    import json
+    import subprocess
+    import sys
+
+    from eagle3nb.phases.train import run as train_phase
+
+    recipe = store_recipe(tmp_path)
+    env = {**__import__('os').environ, 'OMP_NUM_THREADS': '1'}
+    torchrun = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2']
+    verb = [*torchrun, '-m', 'eagle3nb', 'train', str(recipe), '--run-dir', str(tmp_path / 'verb'), '--no-progress']
+    p = subprocess.run(verb, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rec = train_phase.read(tmp_path / 'verb')
+    assert (rec.ranks, rec.steps) == (2, 2) and (tmp_path / 'verb' / 'checkpoints' / 'step_2').is_dir()
+    assert p.stdout.count('train: eval accept length') == 1, p.stdout  # rank 0 alone prints the headline
+    rid = f'pytest-nproc-{tmp_path.name[-8:]}'
+    run = [str(Path(sys.executable).parent / 'eagle3nb'), 'run', str(recipe), '--run-id', rid, '--phases', 'train']
+    try:
+        p = subprocess.run([*run, '--nproc', '2'], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        rd = ROOT / 'papermill_runs' / rid
+        assert (rd / '60_train.ipynb').is_file() and (rd / '60_train.rank1.ipynb').is_file()  # a record per rank
+        assert train_phase.read(rd).ranks == 2
+        assert json.loads((rd / 'run.json').read_text())['phases']['60_train']['status'] == 'completed'
+    finally:
+        import shutil
+
+        shutil.rmtree(ROOT / 'papermill_runs' / rid, ignore_errors=True)
