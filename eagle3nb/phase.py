@@ -9,7 +9,7 @@ __all__ = ['RUN_FIELDS', 'KINDS', 'PHASES', 'Params', 'type_name', 'parameters_s
 
 # %% ../nbs/06_phase.ipynb #a32649f6
 import importlib, json, os, pkgutil, tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, get_args, get_origin
 from pydantic import BaseModel, ConfigDict

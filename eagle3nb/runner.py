@@ -31,7 +31,7 @@ from eagle3nb.recipe import (
     aux_rule,
 )
 from .server import hold_lock, owned_by, reap_leftovers
-from .phase import KINDS, PHASES, RunContext, number_hint, params_problems, phases
+from .phase import KINDS, RunContext, number_hint, params_problems, phases
 
 # %% ../nbs/98_runner.ipynb #176be0a2
 def repo_root(start=None) -> Path:

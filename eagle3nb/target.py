@@ -7,8 +7,7 @@ __all__ = ['FAMILY_TOKENS', 'target_summary', 'template_family', 'token_report',
            'probe_messages', 'probe_completion', 'TargetCheckFailed', 'check_row', 'verdict']
 
 # %% ../nbs/04_target.ipynb #7fda1782
-from pathlib import Path
-from .recipe import Recipe, RecipeError, default_aux_layers, check_aux_layers
+from .recipe import default_aux_layers, check_aux_layers
 
 # %% ../nbs/04_target.ipynb #664cc870
 def target_summary(

@@ -13,7 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from pydantic import Field, field_validator
 from ..phase import Params as _Params, Record as _Record, RunContext, phase
-from ..recipe import atomic_write
+from ..recipe import write_json
 
 # %% ../../nbs/96_phases/60_train.ipynb #826662ca
 ZERO_MEANS = dict(  # parameter left at 0 -> (the smoke run's value, a recipe's)
@@ -230,8 +230,7 @@ def run(ctx: RunContext, p: Params) -> Record:
     accept |= accept_rows(ev(inp.eval), 'eval', k) if n_eval else {}
     accept |= accept_rows(ev(inp.train), 'train', k) if ctx.smoke else {}  # the toy's eval text is unpredictable
     if ctx.rank == 0:
-        with atomic_write(Path(ctx.run_dir) / 'accept.json') as f:
-            json.dump(accept, f, indent=1)
+        write_json(Path(ctx.run_dir) / 'accept.json', accept)
     return Record(
         mode=inp.mode,
         steps=cfg.max_steps,
