@@ -487,14 +487,8 @@ def claim_output(
     )
 
 # %% ../nbs/00_recipe.ipynb #7b28ad6a
-def _stale(t: Path, verb: str) -> bool:
-    "Is `t` a temp folder that `verb` made in a process of this host that is gone?"
-    m = read_marker(t)
-    if m.get('verb') != verb or m.get('host') != socket.gethostname():
-        return False
-    pid = m.get('pid')
-    if not isinstance(pid, int) or pid == os.getpid():
-        return False
+def _gone(pid: int) -> bool:
+    "Is there no process `pid` on this host?"
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -504,17 +498,38 @@ def _stale(t: Path, verb: str) -> bool:
     return False
 
 
+def _stale(t: Path, verb: str) -> bool:
+    "Is `t` a temp folder that `verb` made in a process of this host that is gone?"
+    m = read_marker(t)
+    if m.get('verb') != verb or m.get('host') != socket.gethostname():
+        return False
+    pid = m.get('pid')
+    if not isinstance(pid, int) or pid == os.getpid():
+        return False
+    return _gone(pid)
+
+
+def _unmarked_stale(t: Path, pid: str | None) -> bool:
+    "A temp folder killed before its marker was whole: empty but for that marker, its maker (in its name) gone"
+    if pid is None or int(pid) == os.getpid() or read_marker(t):
+        return False
+    return all(f.name == MARKER for f in t.iterdir()) and _gone(int(pid))
+
+
 def remove_stale(
     folder,  # where to look
     verb: str,  # only temp folders carrying this verb's marker
     name: str = None,  # only those of the output of this name; default any
 ) -> list:  # the folders removed
     "Remove the temp folders in `folder` that `verb` made in a process of this host that is gone (a killed run's)"
-    # mkdtemp's names: never a user's
-    pattern = re.compile(rf'\.{re.escape(name) if name else ".+"}\.tmp-[a-z0-9_]{{8}}')
+    # mkdtemp's names (never a user's), ending in the maker's pid
+    pattern = re.compile(rf'\.{re.escape(name) if name else ".+"}\.tmp-[a-z0-9_]{{8}}(?:\.(\d+))?')
     gone = []
     for t in sorted(Path(folder).iterdir()) if Path(folder).is_dir() else []:
-        if pattern.fullmatch(t.name) and t.is_dir() and not t.is_symlink() and _stale(t, verb):
+        m = pattern.fullmatch(t.name)
+        if not m or not t.is_dir() or t.is_symlink():
+            continue
+        if _stale(t, verb) or _unmarked_stale(t, m[1]):
             shutil.rmtree(t)
             gone.append(t)
     return gone
@@ -528,7 +543,7 @@ def output_temp(
     real = _real(dst)
     real.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(real.parent, verb, real.name)
-    tmp = Path(tempfile.mkdtemp(prefix=f'.{real.name}.tmp-', dir=real.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f'.{real.name}.tmp-', suffix=f'.{os.getpid()}', dir=real.parent))
     tmp.chmod(0o777 & ~_umask())
     mark_output(tmp, verb)
     return tmp
