@@ -9,7 +9,7 @@ __all__ = ['RESERVED', 'repo_root', 'phase_notebooks', 'phase_key', 'select_phas
            'markdown_table', 'run', 'RunInterrupted']
 
 # %% ../nbs/98_runner.ipynb #c5a40c06
-import datetime, json, os, shlex, signal, sys, threading, time
+import datetime, json, os, shlex, signal, sys, tempfile, threading, time
 from contextlib import contextmanager
 from pathlib import Path
 import papermill as pm
@@ -297,13 +297,16 @@ class PhaseFailed(RuntimeError):
 
 
 def kernel_manager():  # -> a jupyter_client KernelManager class
-    "Kernels over IPC sockets: a TCP kernel prints a warning about unencrypted TCP into every record"
+    "Kernels over IPC sockets, each in a fresh temp folder: a TCP kernel warns of unencrypted TCP in every record"
     from jupyter_client.manager import AsyncKernelManager
 
     class IpcKernelManager(AsyncKernelManager):
         def __init__(self, **kw):
             super().__init__(**kw)
             self.transport = 'ipc'
+            # its sockets in a folder of its own: the default, `kernel-ipc-N` in the working directory, is one path
+            # for every kernel there (two torchrun ranks, two runs), and litters the repository
+            self.ip = str(Path(tempfile.mkdtemp(prefix='e3nb-kernel-')) / 'kernel')
 
     return IpcKernelManager
 

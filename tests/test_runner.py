@@ -69,6 +69,7 @@ def test_run_builds_toy_serves_checks_and_resumes(tmp_path, run_id):
     for nb in rd.glob('[0-9]*_*.ipynb'):  # no kernel noise in a record: kernels talk over IPC, not plain TCP
         assert 'TCP without encryption' not in code_outputs(nb), nb.name
     assert 'TCP without encryption' not in p.stderr
+    assert not list((ROOT / 'nbs').rglob('kernel-ipc*')), 'kernel sockets left in the repository'
     # no file of the run holds the key: the record keeps only the variable's name
     for f in rd.rglob('*'):
         if f.is_file():
