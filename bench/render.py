@@ -1,7 +1,9 @@
 """Render throughput: eagle3nb.render side by side with SpecForge 0.2.0's `preprocess_conversations`, in one run.
 
     bash bench/setup_bench_venv.sh                          # once: .venv-bench with eagle3nb AND specforge==0.2.0
-    .venv-bench/bin/python bench/render.py [--n 3000] [--repeat 5] [--toys kimi-tiny qwen3-tiny] [--turns 10,25,50,100,200,400]
+    .venv-bench/bin/python bench/render.py [--n 3000] [--repeat 5] [--toys kimi-tiny qwen3-tiny]
+        [--turns 10,25,50,100,200,400]
+    .venv-bench/bin/python bench/render.py --n 0 --toys kimi-k25-tiny --turns 10,100   # the slow remote-code tokenizer
 
 Both sides get the same conversations and the same tokenizer files, in one process, one core (OMP_NUM_THREADS=1,
 TOKENIZERS_PARALLELISM=false, as the Makefile sets them), and each does render + tokenize + loss mask:
@@ -39,6 +41,15 @@ turns (its cost grows faster than the square of the turns: 400 turns would take 
 `renders` is eagle3nb's chat-template renders for the trajectory (`fallback` would name a per-event fallback).
 --n 0 skips the short chat shapes, --turns '' the trajectories.
 
+kimi-k25-tiny is packaged as Kimi-K2.5 ships: a remote-code, slow tokenizer (`TikTokenTokenizer`, tiktoken ranks, no
+offsets) whose own `apply_chat_template` declares the tools in TypeScript. Both sides load it with
+trust_remote_code=True. SpecForge takes it as it is: its parser renders through `tokenizer.apply_chat_template` and
+finds the spans by re-encoding the text up to each span's ends with the tokenizer itself (no offsets needed), so it
+runs on the slow tokenizer, with the same `kimi-k2-thinking` registry entry. eagle3nb renders through the same
+method and encodes with the fast twin of the slow tokenizer, checking every text it encoded against the slow
+tokenizer; the twin is built once per tokenizer, before the timings (`twin build` says how long it took), and
+`encoding` says what eagle3nb encoded with.
+
 Agreement, per conversation: `same` = eagle3nb made one row whose input_ids and loss_mask equal SpecForge's;
 `same sup` = the supervised (mask 1) token sequences are equal, eagle3nb's rows taken in order (ids differ elsewhere);
 `differ` = the supervised tokens differ; `SF sup tok` / `E3 sup tok` = supervised tokens in all. After the table, per
@@ -65,13 +76,31 @@ except ImportError as e:
 import yaml
 from transformers import AutoTokenizer
 from eagle3nb.prepare import prepare, conversations
-from eagle3nb.render import render_conversations
+from eagle3nb.render import render_conversations, render_encoding, render_tokenizer
 from eagle3nb.schema import conversation, message, tool_call
 from eagle3nb.toy import SAMPLE_TOOLS
 from eagle3nb.toy import ensure_toy
 
-TOYS = {'kimi-tiny': 'kimi-k2-thinking', 'qwen3-tiny': 'qwen3-thinking'}  # toy -> SpecForge template
+TOYS = {
+    'kimi-tiny': 'kimi-k2-thinking',
+    'qwen3-tiny': 'qwen3-thinking',
+    'kimi-k25-tiny': 'kimi-k2-thinking',
+}  # toy -> SpecForge template
+REMOTE = {'kimi-k25-tiny'}  # toys whose tokenizer is remote code (loaded with trust_remote_code=True)
 SHAPES = ('plain', 'tools', 'reasoning')
+
+
+def load(toy):
+    "Two tokenizers from the toy's files (no shared state), and a line on how eagle3nb encodes with its own"
+    d = ensure_toy(toy)
+    tok_sf, tok_e3 = (AutoTokenizer.from_pretrained(d, trust_remote_code=toy in REMOTE) for _ in range(2))
+    t0 = time.perf_counter()
+    render_tokenizer(tok_e3)  # a slow tokenizer's fast twin, built once
+    note = f"{toy}: {type(tok_e3).__name__} (fast: {tok_e3.is_fast}); eagle3nb encoding: {render_encoding(tok_e3)}"
+    if not tok_e3.is_fast:
+        note += f'; twin build {time.perf_counter() - t0:.3f} s'
+    print(note, file=sys.stderr, flush=True)
+    return tok_sf, tok_e3, note
 
 
 def seeds(tmp):
@@ -210,16 +239,15 @@ def trajectory(n, seed=0):
 
 def turns_table(toy, turns, repeat, sf_round_s, sf_max_turns):
     "Render seconds and tokens/s by trajectory length, both sides, same trajectory"
-    d = ensure_toy(toy)
-    tok_sf, tok_e3 = AutoTokenizer.from_pretrained(d), AutoTokenizer.from_pretrained(d)
+    tok_sf, tok_e3, note = load(toy)
     tmpl = TEMPLATE_REGISTRY.get(TOYS[toy]).model_copy(update=dict(system_prompt=None))
     run_specforge(tok_sf, tmpl, [trajectory(3)])
     run_eagle3nb(tok_e3, [trajectory(3)])  # warm-up
     hdr = (
-        f"{'toy':10s} {'turns':>5s} {'SF tokens':>9s} {'SF s':>8s} {'SF tok/s':>9s} {'E3 rows':>7s} {'E3 tokens':>9s} {'E3 s':>7s} "
+        f"{'toy':13s} {'turns':>5s} {'SF tokens':>9s} {'SF s':>8s} {'SF tok/s':>9s} {'E3 rows':>7s} {'E3 tokens':>9s} {'E3 s':>7s} "
         f"{'E3 tok/s':>9s} {'E3/SF':>7s} {'renders':>7s}  {'same':>4s} {'same sup':>8s} {'differ':>6s} {'SF sup tok':>10s} {'E3 sup tok':>10s}"
     )
-    lines, rates = [hdr], {}
+    lines, rates = [note, hdr], {}
     for n in turns:
         convs = [trajectory(n, seed=n)]
         t_e3 = t_sf = float('inf')
@@ -232,7 +260,7 @@ def turns_table(toy, turns, repeat, sf_round_s, sf_max_turns):
         e3 = f"{len([r for r in rows if 'reject' not in r]):7d} {n_e3:9,d} {t_e3:7.3f} {n_e3 / t_e3:9,.0f}"
         if n > sf_max_turns:  # SpecForge's cost grows faster than the square of the turns: minutes beyond this
             lines.append(
-                f"{toy:10s} {n:5d} {'-':>9s} {'-':>8s} {'-':>9s} {e3} {'-':>7s} {sum(r.get('renders', 0) for r in rows):7d}"
+                f"{toy:13s} {n:5d} {'-':>9s} {'-':>8s} {'-':>9s} {e3} {'-':>7s} {sum(r.get('renders', 0) for r in rows):7d}"
             )
             print(lines[-1], file=sys.stderr, flush=True)
             continue
@@ -244,7 +272,7 @@ def turns_table(toy, turns, repeat, sf_round_s, sf_max_turns):
         n_sf = sum(len(i) for i, _ in sf)
         agree, _ = compare(convs, sf, rows)
         lines.append(
-            f"{toy:10s} {n:5d} {n_sf:9,d} {t_sf:8.3f} {n_sf / t_sf:9,.0f} {e3} "
+            f"{toy:13s} {n:5d} {n_sf:9,d} {t_sf:8.3f} {n_sf / t_sf:9,.0f} {e3} "
             f"{t_sf / t_e3:6.1f}x {sum(r.get('renders', 0) for r in rows):7d}  {agree['same']:4d} {agree['same_sup']:8d} {agree['differ']:6d} "
             f"{agree['sf_sup']:10,d} {agree['e3_sup']:10,d}" + (f"  fallback: {', '.join(fb)}" if fb else '')
         )
@@ -282,16 +310,13 @@ def main():
         f"{k} copies per shape; best of {a.repeat}\n"
     )
     hdr = (
-        f"{'toy':10s} {'shape':9s} {'convs':>5s} {'SF conv/s':>9s} {'SF tok/s':>9s} {'E3 conv/s':>9s} {'E3 rows':>7s} "
+        f"{'toy':13s} {'shape':9s} {'convs':>5s} {'SF conv/s':>9s} {'SF tok/s':>9s} {'E3 conv/s':>9s} {'E3 rows':>7s} "
         f"{'E3 tok/s':>9s} {'E3/SF':>6s}  {'same':>5s} {'same sup':>8s} {'differ':>6s} {'SF sup tok':>10s} {'E3 sup tok':>10s}"
     )
     lines, examples = [hdr], []
     for toy in a.toys:
-        d = ensure_toy(toy)
-        tok_sf, tok_e3 = (
-            AutoTokenizer.from_pretrained(d),
-            AutoTokenizer.from_pretrained(d),
-        )  # same files, no shared state
+        tok_sf, tok_e3, note = load(toy)  # same files, no shared state
+        lines.append(note)
         tmpl = TEMPLATE_REGISTRY.get(TOYS[toy]).model_copy(update=dict(system_prompt=None))
         tot = dict(n=0, t_sf=0.0, t_e3=0.0, tok_sf=0, tok_e3=0, rows=0)
         for shp, convs in sets.items():
@@ -310,7 +335,7 @@ def main():
                 examples.append(f"  {toy} {shp}: {agree['differ']} of {len(convs)} differ\n" + explain(tok_e3, diffs))
             N = len(convs)
             lines.append(
-                f"{toy:10s} {shp:9s} {N:5d} {N / t_sf:9,.0f} {n_sf / t_sf:9,.0f} {N / t_e3:9,.0f} {agree['e3_rows']:7d} {n_e3 / t_e3:9,.0f} "
+                f"{toy:13s} {shp:9s} {N:5d} {N / t_sf:9,.0f} {n_sf / t_sf:9,.0f} {N / t_e3:9,.0f} {agree['e3_rows']:7d} {n_e3 / t_e3:9,.0f} "
                 f"{t_sf / t_e3:5.2f}x  {agree['same']:5d} {agree['same_sup']:8d} {agree['differ']:6d} {agree['sf_sup']:10,d} {agree['e3_sup']:10,d}"
                 + (f"  ({agree['e3_rejects']} eagle3nb rejects)" if agree['e3_rejects'] else '')
             )
@@ -325,7 +350,7 @@ def main():
                 tot[key] += v
             print(lines[-1], file=sys.stderr, flush=True)
         lines.append(
-            f"{toy:10s} {'all':9s} {tot['n']:5d} {tot['n'] / tot['t_sf']:9,.0f} {tot['tok_sf'] / tot['t_sf']:9,.0f} {tot['n'] / tot['t_e3']:9,.0f} "
+            f"{toy:13s} {'all':9s} {tot['n']:5d} {tot['n'] / tot['t_sf']:9,.0f} {tot['tok_sf'] / tot['t_sf']:9,.0f} {tot['n'] / tot['t_e3']:9,.0f} "
             f"{tot['rows']:7d} {tot['tok_e3'] / tot['t_e3']:9,.0f} {tot['t_sf'] / tot['t_e3']:5.2f}x"
         )
     print('\n'.join(lines))

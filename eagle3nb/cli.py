@@ -10,6 +10,15 @@ import argparse, json, os, sys
 from pathlib import Path
 
 # %% ../nbs/99_cli.ipynb #44132df3
+def _trust_flag(p: argparse.ArgumentParser, more: str = ''):
+    "`--trust-remote-code` on `p`: the target's own config, tokenizer and model code may run (Kimi-K2.5 needs it)"
+    p.add_argument(
+        '--trust-remote-code',
+        action='store_true',
+        help="run the code the target ships (its tokenizer, config: Kimi-K2.5's), in every loader and engine" + more,
+    )
+
+
 def _ints(s: str, flag: str) -> list:
     "`'2,30,58'` -> `[2, 30, 58]`; `ValueError` naming `flag` otherwise"
     try:
@@ -83,7 +92,10 @@ def _run(a):
     from eagle3nb.runner import run
 
     phases = a.phases.split(',') if a.phases is not None else None
-    run(a.recipe, run_id=a.run_id, phases=phases, serve=not a.no_serve, nproc=a.nproc)
+    trc = (
+        True if a.trust_remote_code else None
+    )  # the flag sets the recipe's target.trust_remote_code; else the recipe's
+    run(a.recipe, run_id=a.run_id, phases=phases, serve=not a.no_serve, nproc=a.nproc, trust_remote_code=trc)
 
 
 def _toy_build(a):
@@ -113,10 +125,11 @@ def _serve(a):
             if a.draft
             else None
         )
-        return serve_engine(a.model_dir, port=a.port, host=a.host, speculative=spec, python=a.vllm)
+        kw = dict(speculative=spec, python=a.vllm, trust_remote_code=a.trust_remote_code)
+        return serve_engine(a.model_dir, port=a.port, host=a.host, **kw)
     from eagle3nb.server import serve
 
-    serve(a.model_dir, port=a.port, host=a.host)
+    serve(a.model_dir, port=a.port, host=a.host, trust_remote_code=a.trust_remote_code)
 
 
 def _prepare(a):
@@ -145,7 +158,8 @@ def _render(a):
     "eagle3nb render --target DIR --input CONVERSATIONS.jsonl --out DIR: conversations to token ids + loss masks"
     from eagle3nb.render import render_jsonl
 
-    st = render_jsonl(a.target, a.input, a.out, thinking=a.thinking == 'on', merge=not a.no_merge)
+    kw = dict(thinking=a.thinking == 'on', merge=not a.no_merge, trust_remote_code=a.trust_remote_code)
+    st = render_jsonl(a.target, a.input, a.out, **kw)
     print(json.dumps(st, indent=1))
 
 
@@ -168,6 +182,7 @@ def _export(a):
         model_dir(target),
         aux_layers=_ints(a.aux_layers, '--aux-layers') if a.aux_layers else None,
         data_root=data,
+        trust_remote_code=a.trust_remote_code or run.get('trust_remote_code', False),
     )
     problems = check_export(a.out)
     print(json.dumps(dict(out=a.out, architectures=cfg['architectures'], problems=problems), indent=1))
@@ -179,7 +194,8 @@ def _launch(a):
     "eagle3nb launch DRAFT --target MODEL: the SGLang and vLLM commands that serve MODEL with this draft"
     from eagle3nb.export import launch_commands
 
-    for eng, cmd in launch_commands(a.draft, a.target, tp=a.tp, num_steps=a.num_steps, topk=a.topk).items():
+    kw = dict(tp=a.tp, num_steps=a.num_steps, topk=a.topk, thinking=a.thinking == 'on')
+    for eng, cmd in launch_commands(a.draft, a.target, **kw).items():
         print(f'# {eng}\n{cmd}\n')
 
 
@@ -237,6 +253,7 @@ def _verify(a):
             json_out=a.json,
             offline=False if a.no_offline else None,
             engine=a.vllm,
+            trust_remote_code=a.trust_remote_code,
         )
     )
 
@@ -319,6 +336,7 @@ def phase_args(sp: argparse.ArgumentParser, ph, suppress: bool = False):
         '--run-dir', help="folder of the phase's record, shared by the recipe's verbs (default <data_root>/run)"
     )
     sp.add_argument('--no-progress', action='store_true', help='no progress bars (TQDM_DISABLE=1)')
+    _trust_flag(sp, ' (sets the recipe\'s target.trust_remote_code for this run)')
     for k, f in ph.Params.model_fields.items():
         flag = '--' + k.replace('_', '-')
         default = argparse.SUPPRESS if suppress else f.get_default(call_default_factory=True)
@@ -346,7 +364,8 @@ def _phase(a):
     run_dir = Path(a.run_dir) if a.run_dir else _verb_run_dir(r)
     if a.no_progress:
         os.environ['TQDM_DISABLE'] = '1'  # tqdm reads it in every bar, ours and the libraries'
-    with RunContext.open(a.recipe, run_dir) as ctx:
+    trc = True if getattr(a, 'trust_remote_code', False) else None  # else the recipe's own
+    with RunContext.open(a.recipe, run_dir, trust_remote_code=trc) as ctx:
         rec = ph(ctx, p)
     if ctx.rank == 0:
         print(f"{ph.key}: {rec.headline() or 'done'}\nwrote {run_dir / ph.record_name}")
@@ -367,6 +386,7 @@ def parser(suppress: bool = False) -> argparse.ArgumentParser:
     r.add_argument('--phases', help='comma-separated phases to run, e.g. target_check (default: all)')
     r.add_argument('--no-serve', action='store_true', help='never launch a local server for the target')
     r.add_argument('--nproc', type=int, default=1, help='processes for the train phase (torchrun --nproc_per_node)')
+    _trust_flag(r)
     t = sub.add_parser('toy', help='offline tiny targets').add_subparsers(
         dest='toy_verb', required=True, metavar='ACTION'
     )
@@ -395,6 +415,7 @@ def parser(suppress: bool = False) -> argparse.ArgumentParser:
     s.add_argument('--draft', help='with --engine vllm: an exported EAGLE-3 draft to serve with the target')
     s.add_argument('--num-speculative-tokens', type=int, default=3)
     s.add_argument('--vllm', help='a vLLM venv or its python (default $EAGLE3NB_VLLM, else .venv-vllm)')
+    _trust_flag(s)
     pp = sub.add_parser(
         'prepare',
         help='read one raw dataset into canonical conversations (prepare RECIPE: the phase)',
@@ -420,6 +441,7 @@ def parser(suppress: bool = False) -> argparse.ArgumentParser:
     rn.add_argument('--out', required=True, help='receives samples.jsonl and rejects.jsonl')
     rn.add_argument('--thinking', choices=['on', 'off'], default='on')
     rn.add_argument('--no-merge', action='store_true', help='one sample per assistant turn')
+    _trust_flag(rn)
     xp = sub.add_parser(
         'export',
         help='write an engine-ready EAGLE3 draft: config.json + bf16 model.safetensors (export RECIPE: the phase)',
@@ -436,6 +458,7 @@ def parser(suppress: bool = False) -> argparse.ArgumentParser:
         '--data',
         help="the recipe's data root (data/<recipe>; default: the run recipe's): for the record doctor checks",
     )
+    _trust_flag(xp, " (default: the run recipe's target.trust_remote_code)")
     la = sub.add_parser('launch', help='print the SGLang and vLLM commands that serve a target with an exported draft')
     la.set_defaults(fn=_launch)
     la.add_argument('draft', help='exported draft folder')
@@ -443,6 +466,9 @@ def parser(suppress: bool = False) -> argparse.ArgumentParser:
     la.add_argument('--tp', type=int, default=1)
     la.add_argument('--num-steps', type=int, default=3)
     la.add_argument('--topk', type=int, default=1)
+    la.add_argument(
+        '--thinking', choices=['on', 'off'], default='on', help="a thinking target: its reasoning parser too (Kimi's)"
+    )
     dr = sub.add_parser(
         'doctor',
         help='check a draft, its target and its launch for every known silent failure (doctor RECIPE: the phase)',
@@ -453,9 +479,7 @@ def parser(suppress: bool = False) -> argparse.ArgumentParser:
     g = dr.add_mutually_exclusive_group()
     g.add_argument('--server-args', help='the launch command (or a script holding it), or SGLang server args as JSON')
     g.add_argument('--server', help="a running SGLang server's base URL (its /get_server_info is read)")
-    dr.add_argument(
-        '--trust-remote-code', action='store_true', help="run the target's own config/tokenizer code (Kimi needs it)"
-    )
+    _trust_flag(dr)
     dr.add_argument(
         '--no-engine',
         action='store_true',
@@ -495,6 +519,7 @@ def parser(suppress: bool = False) -> argparse.ArgumentParser:
         '--no-offline', action='store_true', help='skip our offline estimate (a target too big to load here)'
     )
     vf.add_argument('--vllm', help='a vLLM venv or its python (default $EAGLE3NB_VLLM, else .venv-vllm)')
+    _trust_flag(vf)
     rc = sub.add_parser('recipe', help='recipe tools').add_subparsers(
         dest='recipe_verb', required=True, metavar='ACTION'
     )

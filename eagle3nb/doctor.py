@@ -7,7 +7,7 @@ __all__ = ['RECORD', 'CHECKS', 'LOADERS', 'ENGINE_PROMPTS', 'DoctorError', 'read
            'DraftExport', 'target_lm_head_rows', 'finding', 'toy_export', 'check_speculative_algorithm',
            'check_fc_width', 'check_head_dim', 'check_aux_layer_ids', 'check_lm_head', 'check_vocab_maps',
            'check_special_tokens', 'check_vocab_size', 'check_chat_template', 'check_rope', 'check_draft_variant',
-           'engine_wanted', 'check_engine', 'doctor', 'doctor_report', 'doctor_cli']
+           'engine_wanted', 'check_engine', 'check_render_parity', 'doctor', 'doctor_report', 'doctor_cli']
 
 # %% ../nbs/71_doctor.ipynb #0a32c220
 import json, math, os, re, shlex, sys, tempfile, textwrap
@@ -313,6 +313,7 @@ CHECKS = (
     'rope',
     'draft_variant',
     'engine',
+    'render_parity',
 )
 
 
@@ -1183,7 +1184,9 @@ def check_engine(x: DraftExport, max_tokens: int = 32) -> list:
         )
         for p in ENGINE_PROMPTS
     ]
-    with EngineSession.of(x.target_dir) as es:  # the servers it starts stop with it
+    with EngineSession.of(
+        x.target_dir, trust_remote_code=x.trust_remote_code
+    ) as es:  # the servers it starts stop with it
         r = verify_served(es, x.dir, ps, max_tokens, 3)
     if not r['loaded']:
         return [finding('engine', 'FAIL', f"vLLM did not serve the draft: {r['error']}")]
@@ -1209,6 +1212,46 @@ def check_engine(x: DraftExport, max_tokens: int = 32) -> list:
         )
     ]
 
+# %% ../nbs/71_doctor.ipynb #d8a1c2e2
+def _trained_sample(x: DraftExport) -> tuple:  # conversations, rows, thinking; empty when there is no record of them
+    "A sample of the rendered rows the draft was trained on, from its training record's data root"
+    from eagle3nb.parity import rendered_sample
+    from eagle3nb.render import read_render_manifest
+
+    root = (x.record or {}).get('data_root')
+    ds = sorted(Path(root).glob('rendered/*/render.json')) if root else []
+    thinking = {(read_render_manifest(p.parent) or {}).get('params', {}).get('thinking', True) for p in ds}
+    convs, rows = rendered_sample(root, [p.parent.name for p in ds]) if ds else ([], [])
+    return convs, rows, thinking.pop() if len(thinking) == 1 else True
+
+
+def check_render_parity(
+    x: DraftExport,
+    engine_url: str = None,  # the base URL of the engine serving the target; None: not asked
+    api_key: str = None,  # its bearer token
+) -> list:
+    "Our rendered prompts token-equal with the engine's own render of the same conversations"
+    from eagle3nb.parity import FIX, check_parity, engine_ask, parity_line, probe_conversations
+    from eagle3nb.render import render_conversations
+
+    n = 'render_parity'
+    if not engine_url:
+        return [
+            finding(n, 'n/a', 'not asked: give the URL of the engine serving the target (engine_url, --engine-url)')
+        ]
+    convs, rows, thinking = _trained_sample(x)
+    what = 'the rendered training data'
+    if not rows:
+        convs, what = probe_conversations(), 'built-in probes'
+        rows = render_conversations(convs, x.tokenizer, thinking)
+    res = check_parity(engine_ask(engine_url, api_key), convs, rows, x.tokenizer, thinking)
+    st = dict(equal='ok', mismatch='FAIL').get(res['status'], 'n/a')
+    return [
+        finding(
+            n, st, f"{parity_line(res)} ({what}, thinking {thinking})" + (f". To fix: {FIX}" if st == 'FAIL' else '')
+        )
+    ]
+
 # %% ../nbs/71_doctor.ipynb #e95e16fc
 def _served(server_args, server):
     "The speculative_algorithm check's input: normalized args, None, or the DoctorError to report"
@@ -1229,6 +1272,7 @@ def doctor(
     server: str = None,  # a running SGLang server's URL
     trust_remote_code: bool = False,  # for the target's config and tokenizer (real Kimi needs it)
     engine: bool = False,  # also serve the draft in vLLM (the `engine` row); off: n/a
+    engine_url: str = None,  # the engine serving the target, for the render-parity row; None: `server`, else n/a
 ) -> pd.DataFrame:  # columns check, status, detail; one row per check
     "Check an exported draft against its target and how it is served"
     x, sa = DraftExport(draft_dir, target_dir, trust_remote_code), _served(server_args, server)
@@ -1255,6 +1299,7 @@ def doctor(
         else lambda x: [
             finding('engine', 'n/a', 'not asked (engine=False; the CLI runs it when an engine is installed)')
         ],
+        render_parity=lambda x: check_render_parity(x, engine_url or server),
     )
     return pd.DataFrame([_row(n, fns[n], x) for n in CHECKS], columns=['check', 'status', 'detail'])
 
@@ -1278,11 +1323,12 @@ def doctor_cli(
     server: str = None,  # URL of a running SGLang server
     trust_remote_code: bool = False,  # for the target's config and tokenizer
     engine: bool = None,  # serve it in vLLM too; None: `engine_wanted()`
+    engine_url: str = None,  # URL of the engine serving the target: our render against its own (render_parity)
 ) -> int:  # exit status: 1 if any check fails
     "`eagle3nb doctor DIR --target TARGET_DIR`: print the report; 1 if anything fails"
     if engine is None:
         engine = engine_wanted()
-    df = doctor(draft_dir, target, server_args, server, trust_remote_code, engine)
+    df = doctor(draft_dir, target, server_args, server, trust_remote_code, engine, engine_url)
     print(doctor_report(df))
     bad = df[df.status == 'FAIL']
     if len(bad):  # one line on stderr, as every failing verb gives: the first problem, the rest in the report

@@ -9,7 +9,7 @@ __all__ = ['ENGINE_HEAD_SIZES', 'FLASHINFER_HEAD_SIZES', 'DRAFT_HEAD_DIM', 'MLA_
            'draft_options']
 
 # %% ../nbs/60_draft.ipynb #140506e8
-import json, math
+import math
 from pathlib import Path
 from dataclasses import dataclass, asdict
 import torch
@@ -52,13 +52,13 @@ DRAFT_HEAD_DIM = 128  # public Kimi-K2.5 EAGLE-3 drafts; in every CPU and GPU ke
 
 
 def _raw_config(cfg) -> dict:
-    "The text part of `config.json` as written, when `cfg` was loaded from a folder, else {}"
-    p = Path(str(getattr(cfg, '_name_or_path', '') or '')) / 'config.json'
+    "The text part of `config.json` as written (`target.text_config`), when `cfg` was loaded from a folder, else {}"
+    from eagle3nb.target import text_config
+
     try:
-        d = json.loads(p.read_text())
+        return text_config(Path(str(getattr(cfg, '_name_or_path', '') or '')))
     except (OSError, ValueError):
         return {}
-    return d.get('text_config') or d
 
 
 def draft_head_dim(target_cfg) -> int:  # the draft's attention head size

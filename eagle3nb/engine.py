@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from .toy import PKG
 from .server import LocalServer, ServerNotReady, wait_for_server, _tail, _terminate
 from .server import http_client, post_json, raise_for_status
+from .target import is_vlm, text_config
 
 # %% ../nbs/05_engine.ipynb #24b58462
 ENGINE_VAR = 'EAGLE3NB_VLLM'  # environment variable: a vLLM venv folder, or its python
@@ -99,9 +100,13 @@ def vllm_command(
     kv_cache_bytes: int = 256 << 20,  # KV cache size; None: vLLM's own default (GPUs)
     eager: bool = True,  # --enforce-eager: no compile at start-up
     extra: list = (),  # more flags, e.g. ['--tensor-parallel-size', '8']
+    trust_remote_code: bool = False,  # --trust-remote-code: the model's own tokenizer/config code (the recipe's)
+    language_model_only: bool = None,  # --language-model-only (no vision tower); None: when the target is a VLM
 ) -> list:  # argv for `subprocess`
     "The argv that serves `model_dir` with vLLM's OpenAI server"
     model = str(Path(model_dir).expanduser().resolve()) if Path(model_dir).expanduser().exists() else str(model_dir)
+    if language_model_only is None:
+        language_model_only = (Path(model) / 'config.json').is_file() and is_vlm(model)
     cmd = [
         str(python or vllm_python()),
         '-m',
@@ -125,6 +130,10 @@ def vllm_command(
         cmd += ['--speculative-config', json.dumps(speculative)]
     if kv_transfer:
         cmd += ['--kv-transfer-config', json.dumps(kv_transfer)]
+    if trust_remote_code:
+        cmd += ['--trust-remote-code']
+    if language_model_only:
+        cmd += ['--language-model-only']
     return cmd + [str(a) for a in extra]
 
 # %% ../nbs/05_engine.ipynb #8c2c5095
@@ -399,9 +408,7 @@ def _warnings(log) -> list:
 # %% ../nbs/05_engine.ipynb #c4e04019
 def is_mla(model_dir) -> bool:
     "Does the model in `model_dir` use multi-head latent attention (DeepSeek / Kimi: `kv_lora_rank` in its config)?"
-    c = json.loads((Path(model_dir) / 'config.json').read_text())
-    c = c.get('text_config', c)
-    return bool(c.get('kv_lora_rank'))
+    return bool(text_config(model_dir).get('kv_lora_rank'))  # a VLM package: its language model's
 
 
 def mla_disable_for(target_dir, draft_dir, python=None) -> bool:

@@ -29,6 +29,7 @@ from eagle3nb.extract import (
 )
 from .store import ShardWriter, record_index, sync_index
 from .recipe import Recipe
+from .target import target_config, text_config
 from .server import hold_lock, owned_by, reap_leftovers
 from .recipe import retrying
 
@@ -171,11 +172,9 @@ def read_weight(model_dir, keys: tuple) -> torch.Tensor:
 
 # %% ../nbs/52_engine_extract.ipynb #a1363400
 def final_norm(model_dir) -> tuple:  # weight (H,) float32, eps
-    "The target's final RMSNorm: its `model.norm` weights and `rms_norm_eps`"
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(model_dir).get_text_config()
-    return read_weight(model_dir, _NORM_KEYS).float(), float(getattr(cfg, 'rms_norm_eps', 1e-6))
+    "The target's final RMSNorm: its `model.norm` weights and `rms_norm_eps` (a VLM package: its language model's)"
+    eps = text_config(model_dir).get('rms_norm_eps') or 1e-6
+    return read_weight(model_dir, _NORM_KEYS).float(), float(eps)
 
 
 def rms_norm(
@@ -379,11 +378,10 @@ def extract_engine_modes(
     template_sha256: str = '',
     own_spool: bool = False,  # the spool is ours alone (a server we launched): tidy files of no sample too
     progress: bool = True,
+    trust_remote_code: bool = False,  # for the target's config (`target.trust_remote_code`)
 ) -> dict:  # mode -> the stats of `extract.extract`, plus `requests` (all modes together)
     "The engine's hidden states of `samples` into one store per mode, each sample asked once for all stores lacking it"
-    from transformers import AutoConfig
-
-    cfg = SimpleNamespace(config=AutoConfig.from_pretrained(model_dir))  # `_plan` reads only `model.config`
+    cfg = SimpleNamespace(config=target_config(model_dir, trust_remote_code))  # `_plan` reads only `model.config`
     sinks, todo = plan_modes(cfg, samples, outs, aux_layers, d2t, topk, target, template_sha256, 0, 1)
     P = sinks[0]['P']
     n_aux = len(P['aux_layers'])
@@ -418,6 +416,7 @@ def extract_engine(
     template_sha256: str = '',
     own_spool: bool = False,
     progress: bool = True,
+    trust_remote_code: bool = False,
 ) -> dict:  # the same stats as `extract.extract`
     "The engine's hidden states of `samples` into `out_dir` (one mode), resuming where a previous run stopped"
     return extract_engine_modes(
@@ -435,6 +434,7 @@ def extract_engine(
         template_sha256,
         own_spool,
         progress,
+        trust_remote_code,
     )[mode]
 
 # %% ../nbs/52_engine_extract.ipynb #79aaed78
@@ -526,7 +526,7 @@ def extraction_endpoint(
     t = ctx.recipe.target
     ours = Path(spool or ctx.data_root / 'hidden' / '.engine' / 'spool')
 
-    def make():  # called only when the session starts one here
+    def make():  # called only when the session starts one here (it adds the recipe's --trust-remote-code)
         if t.served_here:
             log(
                 f"{t.endpoints[0]} is the run's plain target server (no hidden-states connector): "
@@ -537,7 +537,8 @@ def extraction_endpoint(
         py = vllm_python()
         dt = dtype or ('float32' if engine_info(py)['cpu'] else 'auto')
         log_path = ours.parent / 'server.log'  # kept with the data: the record of the engine's run
-        return extract_server(t.model, ours, layer_ids, max(2048, max_len + 8), dtype=dt, python=py, log_path=log_path)
+        kw = dict(dtype=dt, python=py, log_path=log_path)
+        return extract_server(t.model, ours, layer_ids, max(2048, max_len + 8), **kw)
 
     ep = ctx.engines.extraction(make)
     if ep.server is not None:
@@ -587,6 +588,7 @@ def extract_context_engine(
         urls, model, key, sp, own = extraction_endpoint(ctx, layers, spool or ph.get('spool', ''), max_len, dtype, log)
         client = EngineClient(urls, model, sp, api_key=key, concurrency=conc)
         kw = dict(catalog=r.catalog, target=req['target'], template_sha256=req['template_sha256'], own_spool=own)
+        kw.update(trust_remote_code=r.target.trust_remote_code)
         for s, ds in req['corpora'].items():  # every mode of a split from one pass: one request per sample
             sts = extract_engine_modes(
                 client,

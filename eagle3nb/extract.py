@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 import torch
 from .recipe import Recipe, default_aux_layers, check_aux_layers, load_recipe
+from .target import load_model, text_config
 from eagle3nb.store import (
     MODES,
     ShardWriter,
@@ -35,17 +36,14 @@ def load_target(
     model_dir,  # HF model folder
     dtype=torch.bfloat16,  # compute dtype
     device_map=None,  # e.g. 'auto' to spread a big target over the GPUs of one process
-    trust_remote_code: bool = False,
+    trust_remote_code: bool = False,  # run the model code it ships (`target.trust_remote_code`)
 ):
-    "The target as an eval-mode causal LM without gradients"
-    from transformers import AutoModelForCausalLM
+    "The target as an eval-mode model without gradients: a causal LM, or a VLM package with its language model"
     from safetensors import SafetensorError
     from eagle3nb.recipe import check_weights
 
     try:
-        m = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code
-        )
+        m = load_model(model_dir, trust_remote_code, dtype=dtype, device_map=device_map)
     except SafetensorError:
         check_weights(model_dir)
         raise  # names the file cut short
@@ -93,8 +91,7 @@ def check_layer_weights(
 ):
     "`ValueError` when `config.json` declares more decoder layers than the weights hold (the rest would be random)"
     try:
-        c = json.loads((Path(model_dir) / 'config.json').read_text())
-        n = int(c.get('text_config', c)['num_hidden_layers'])
+        n = int(text_config(model_dir)['num_hidden_layers'])  # a VLM package: its language model's
     except (OSError, ValueError, KeyError, TypeError):
         return  # no readable depth: loading the target says why
     have = weight_layers(model_dir)
@@ -551,11 +548,12 @@ def extraction_request(
     if not corpora:
         log('nothing to extract')
         return None
-    ts = target_summary(r.target.model, r.target.aux_layers)
+    trc = r.target.trust_remote_code
+    ts = target_summary(r.target.model, r.target.aux_layers, trc)
     d2t = load_d2t(root / 'vocab') if 'compact' in ml else None
     if 'compact' in ml and d2t is None:
         log(f'no draft vocab in {root / "vocab"}: compact mode uses the whole target vocabulary')
-    tsha = template_sha256(load_tokenizer(r.target.model))
+    tsha = template_sha256(load_tokenizer(r.target.model, trc))
     aux, n = ts['aux_layers'], ts['num_hidden_layers']
     return dict(
         root=root,
@@ -602,7 +600,8 @@ def extract_recipe(
     req = extraction_request(r, modes, splits, log)
     if req is None:
         return []
-    model, (rank, world) = load_target(r.target.model, device_map=_device_map(device_map)), rank_world()
+    dm, trc = _device_map(device_map), r.target.trust_remote_code
+    model, (rank, world) = load_target(r.target.model, device_map=dm, trust_remote_code=trc), rank_world()
     kw = dict(
         aux_layers=req['aux_layers'],
         d2t=req['d2t'],

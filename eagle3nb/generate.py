@@ -844,7 +844,7 @@ def generate(
     conc = {k: getattr(p, f'c_{k}') or v['concurrency'] or 1 for k, v in parts.items()}
     key = api_key(r)
     model = r.target.served_name or _served(r.target.endpoints[0], key)
-    tok = lambda: load_tokenizer(r.target.model)
+    tok = lambda: load_tokenizer(r.target.model, r.target.trust_remote_code)  # the model's own code, if it says so
     w = ShardWriter(out)
     try:
         for rec in bad:
@@ -893,6 +893,7 @@ def demo_recipe(
     c_main: int = 4,
     c_long: int = 1,
     generate: dict = None,
+    trust_remote_code: bool = False,  # the target's tokenizer is its own code (the recipe's target.trust_remote_code)
 ):
     "A resolved recipe over `sources`, prepared, rendered and partitioned in its own catalog"
     from eagle3nb.recipe import parse_recipe, resolve
@@ -905,7 +906,12 @@ def demo_recipe(
         parse_recipe(
             dict(
                 name='demo',
-                target=dict(model=str(model), endpoints=list(endpoints), served_name=served_name),
+                target=dict(
+                    model=str(model),
+                    endpoints=list(endpoints),
+                    served_name=served_name,
+                    trust_remote_code=trust_remote_code,
+                ),
                 data_root=str(run_dir / 'data'),
                 catalog=str(run_dir / 'catalog.duckdb'),
                 datasets=[
@@ -917,9 +923,8 @@ def demo_recipe(
     )
     for ds in r.datasets:
         prepare(ds.path, ds.format, ds.name, Path(r.data_root) / 'prepared', kind=ds.kind, progress=False)
-        render_dataset(
-            Path(r.data_root) / 'prepared' / ds.name, model, Path(r.data_root) / 'rendered' / ds.name, num_proc=1
-        )
+        kw = dict(num_proc=1, trust_remote_code=trust_remote_code)
+        render_dataset(Path(r.data_root) / 'prepared' / ds.name, model, Path(r.data_root) / 'rendered' / ds.name, **kw)
         upsert_samples(r.catalog, catalog_rows(Path(r.data_root) / 'rendered' / ds.name))
     partition(
         r.catalog, max_ctx=max_ctx, max_new_tokens=max_new_tokens, long_ctx=long_ctx, c_main=c_main, c_long=c_long

@@ -499,9 +499,8 @@ def smoke_inputs(
     model, root = ensure_toy(r.target.toy, r.target.model) if r.target.toy else r.target.model, Path(r.data_root)
     for d in r.datasets:
         prepare(d.path, d.format, d.name, root / 'prepared', kind=d.kind, progress=False)
-        render_dataset(
-            root / 'prepared' / d.name, model, root / 'rendered' / d.name, thinking=r.target.thinking, num_proc=1
-        )
+        kw = dict(thinking=r.target.thinking, num_proc=1, trust_remote_code=r.target.trust_remote_code)
+        render_dataset(root / 'prepared' / d.name, model, root / 'rendered' / d.name, **kw)
         if catalog:
             record_dataset(r.catalog, d.name, manifest=read_manifest(root / 'prepared' / d.name))
             rows = catalog_rows(root / 'rendered' / d.name)

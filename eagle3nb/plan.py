@@ -16,6 +16,7 @@ from .phase import Params
 from .recipe import Recipe, RecipeError, load_recipe, default_aux_layers, check_aux_layers
 from .generate import GEN_DEFAULTS
 from .toy import ensure_toy
+from .target import text_config
 
 # %% ../nbs/90_plan.ipynb #68e2e4f1
 class PlanParams(Params):
@@ -68,6 +69,7 @@ PHASE_DEFAULTS = dict(
     vocab=dict(draft_vocab=32_000),
     extract=dict(modes='bf16', topk=64),  # modes '' means bf16 for a recipe
     train=dict(max_steps=10_000, batch_size=1),  # 0 means these for a recipe
+    export=dict(tp=1, num_steps=3, topk=1),  # the export phase's: its launch commands
 )
 
 
@@ -93,12 +95,7 @@ def target_dims(r: Recipe, p: PlanParams) -> dict:
                 f"no {cfg}: the target is not on this machine; state its dimensions in the recipe under "
                 "phases.plan (hidden_size, num_hidden_layers, vocab_size)"
             )
-        from eagle3nb.recipe import read_json
-
-        c = read_json(
-            cfg, "target.model names a model folder whose config.json is damaged: restore it from the model's source"
-        )
-        c = c.get('text_config', c)
+        c = text_config(model)  # a VLM package (Kimi-K2.5): its language model's
         stated = {k: v or c[k] for k, v in stated.items()}
         src = str(cfg)
     n = stated['num_hidden_layers']
@@ -525,14 +522,43 @@ def _engine_cmds(f: dict, modes: str) -> list:
     )  # the longest sample a partition holds
     spec, kv = extract_spec(list(t['aux_layers']) + [t['num_hidden_layers']]), extract_kv_config(spool, cpu=False)
     return [
-        f"# or through the engine, for a target no HF forward holds (Kimi-K2.5: TP 8; add --trust-remote-code): "
+        f"# or through the engine, for a target no HF forward holds (Kimi-K2.5: TP 8): "
         f"~{fmt_secs(e['engine_seconds'])} at {fmt_n(p['extract_engine_tok_s'])} tok/s per node",
         f"vllm serve {_q(t['model_dir'] or t['model'])} --tensor-parallel-size 8 --no-enable-chunked-prefill "
+        + ('--trust-remote-code ' if t['trust_remote_code'] else '')
         + (f"--max-model-len {ctx + 8} " if ctx else '')
         + f"--speculative-config {_q(json.dumps(spec))} --kv-transfer-config {_q(json.dumps(kv))}",
         f"eagle3nb extract {_q(f['recipe_path'])} --engine vllm --modes {modes} --concurrency 64 --spool {_q(spool)}"
         "   # target.endpoints: that server (http://HOST:8000/v1); the spool on a file system both see",
     ]
+
+# %% ../nbs/90_plan.ipynb #56343414
+def _serve_cmds(r: Recipe, f: dict) -> list:
+    "How each endpoint serves the target alone, when the recipe lists endpoints"
+    from eagle3nb.export import target_flags
+
+    if not r.target.endpoints:
+        return []
+    t, tp = f['target'], f['params']['gpus_per_target']
+    m = t['model_dir'] or t['model'] or t['toy']
+    name = f' --served-model-name {_q(t["served_name"])}' if t['served_name'] else ''
+    fl = target_flags(m, t['thinking'])
+    return [
+        f'# each endpoint: one server of the target per {tp} GPUs, e.g. (SGLang, then vLLM)',
+        f"python -m sglang.launch_server --model-path {_q(m)} --tp {tp}{name} {fl['sglang']}",
+        f"vllm serve {_q(m)} --tensor-parallel-size {tp}{name} {fl['vllm']}",
+    ]
+
+
+def _launch_cmds(f: dict) -> list:
+    "The commands that serve the target with the exported draft, as the export phase writes them"
+    from eagle3nb.export import launch_commands
+
+    t, x = f['target'], f['phases']['export']
+    m = t['model_dir'] or t['model'] or t['toy']
+    kw = dict(tp=x['tp'], num_steps=x['num_steps'], topk=x['topk'], thinking=t['thinking'])
+    cmds = launch_commands(f"{f['data_root']}/export", m, **kw)
+    return ['# which serve the target with the draft (SGLang, then vLLM):', *cmds.values()]
 
 # %% ../nbs/90_plan.ipynb #0ac247ac
 def commands(r: Recipe, f: dict) -> list:  # (phase, what it does, command lines); '#' lines are comments
@@ -548,7 +574,7 @@ def commands(r: Recipe, f: dict) -> list:  # (phase, what it does, command lines
     )
     base = r.target.endpoints[0] if r.target.endpoints else '$BASE_URL'
     sb = r.phases.get('serve_bench') or {}
-    trc = ' --trust-remote-code' if (r.phases.get('doctor') or {}).get('trust_remote_code') else ''
+    trc = ' --trust-remote-code' if r.target.trust_remote_code else ''  # the recipe's, for every loader of the target
     spec, conc = sb.get('speculative') or '$SPEC_URL', sb.get('concurrencies') or '1,8'
     return [
         (
@@ -559,7 +585,11 @@ def commands(r: Recipe, f: dict) -> list:  # (phase, what it does, command lines
                 f'eagle3nb plan {R}   # again after the catalog phase: measured counts replace estimates',
             ],
         ),
-        ('target_check', 'the endpoints answer and render prompts as we do', key + [run('target_check')]),
+        (
+            'target_check',
+            'the endpoints answer and render prompts as we do',
+            key + _serve_cmds(r, f) + [run('target_check')],
+        ),
         *_prep_cmds(r, f, run),
         ('render', "conversations -> token ids and loss masks in the target's template", [run('render')]),
         ('catalog', 'every sample in the catalog, partitioned by length', [run('catalog')]),
@@ -579,8 +609,9 @@ def commands(r: Recipe, f: dict) -> list:  # (phase, what it does, command lines
                 run('export')
                 + f'   # the newest checkpoint -> {D}/export; papermill_runs/{RUN}/launch_{{sglang,vllm}}.sh',
                 f'# or: eagle3nb export papermill_runs/{RUN}/checkpoints/step_{step} --out {D}/export '
-                f'--target {M} --data {D}',
+                f'--target {M} --data {D}{trc}',
                 f'eagle3nb launch {D}/export --target {M}   # prints the SGLang and vLLM launch commands',
+                *_launch_cmds(f),
             ],
         ),
         (
@@ -606,7 +637,7 @@ def commands(r: Recipe, f: dict) -> list:  # (phase, what it does, command lines
             'the proof in the engine: vLLM serves the target with the draft, greedy output unchanged, '
             'acceptance counted',
             [
-                f'eagle3nb verify {D}/export --target {M} --recipe {R} --json '
+                f'eagle3nb verify {D}/export --target {M} --recipe {R}{trc} --json '
                 f'papermill_runs/{RUN}/verify.json   # EAGLE3NB_VLLM: your vLLM venv',
                 f'# or: {run("verify")}   # the offline estimate is skipped for a target too big to load here',
             ],
@@ -713,6 +744,7 @@ def plan_facts(
             served_name=r.target.served_name,
             endpoints=r.target.endpoints,
             thinking=r.target.thinking,
+            trust_remote_code=r.target.trust_remote_code,
             **dims,
         ),
         params=p.model_dump(),
@@ -723,6 +755,7 @@ def plan_facts(
             vocab=phase_params(r, 'vocab'),
             merge=phase_params(r, 'merge'),
             train=phase_params(r, 'train'),
+            export=phase_params(r, 'export'),
         ),
         datasets=_dataset_rows(r, g, st, have),
         partitions=_partition_rows(g, parts),

@@ -57,6 +57,7 @@ class Target(_Strict):
         None  # who serves the target when no endpoints are listed; None: vLLM when installed, else transformers
     )
     served_here: bool = False  # set by the runner: `endpoints` is the plain server it started for this run
+    trust_remote_code: bool = False  # run the code the model ships (config, tokenizer: Kimi-K2.5 needs it)
 
     @model_validator(mode='after')
     def _model_or_toy(self):

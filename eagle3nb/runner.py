@@ -32,6 +32,7 @@ from eagle3nb.recipe import (
 )
 from .server import hold_lock, owned_by, reap_leftovers
 from .phase import KINDS, RunContext, number_hint, params_problems, phases
+from .target import text_config
 
 # %% ../nbs/98_runner.ipynb #176be0a2
 def repo_root(start=None) -> Path:
@@ -205,8 +206,7 @@ def _aux_problem(r: Recipe, local: bool) -> str | None:
     cf, n = Path(r.target.model or '') / 'config.json', None
     if local and r.target.model and cf.is_file():
         try:
-            c = json.loads(cf.read_text())
-            n = int(c.get('text_config', c)['num_hidden_layers'])
+            n = int(text_config(r.target.model)['num_hidden_layers'])  # a VLM package: its language model's
         except (OSError, ValueError, KeyError, TypeError):  # a config we cannot read: the target check says why
             n = None
     try:
@@ -439,10 +439,13 @@ def run(
     serve=True,  # launch a local server when the recipe lists no endpoints
     stream=True,  # stream cell output while phases run
     nproc: int = 1,  # processes for the train phase (torchrun --nproc_per_node); 1 runs it in one process
+    trust_remote_code: bool = None,  # True: the recipe's target.trust_remote_code for this run (`--trust-remote-code`)
 ) -> Path:  # the run directory
     "Run the recipe's phases in order; skip those completed with the same parameters"
     root = repo_root(root)
     r = load_recipe(recipe)
+    if trust_remote_code is not None:  # into the frozen recipe every phase opens
+        r.target.trust_remote_code = bool(trust_remote_code)
     if not isinstance(nproc, int) or nproc < 1:
         raise RecipeError(f"--nproc {nproc}: give a positive number of processes")
     if run_id is not None:
@@ -474,12 +477,20 @@ def run(
             _reap(tag, 'this run')
 
 # %% ../nbs/98_runner.ipynb #d3218b96
+def _fingerprint_base(r: Recipe) -> dict:
+    "What of `r` a phase's fingerprint covers: all but the phases' parameters (another phase's do not matter here)"
+    base = {k: v for k, v in recipe_dict(r).items() if k != 'phases'}
+    if not base['target'].get('trust_remote_code'):  # off: as before the key existed, so older runs still resume
+        base['target'] = {k: v for k, v in base['target'].items() if k != 'trust_remote_code'}
+    return base
+
+
 def _run_held(recipe, r, run_id, run_dir, nbs, sel, serve, stream, nproc=1) -> Path:
     "The body of `run`, while this process holds the run's lock"
     state = load_state(run_dir)
     state.update(run_id=run_id, recipe_source=str(Path(recipe).resolve()), catalog=r.catalog)
     _mark_dead(state, run_dir)
-    base = {k: v for k, v in recipe_dict(r).items() if k != 'phases'}  # another phase's parameters don't matter here
+    base = _fingerprint_base(r)
     fps = {s: fingerprint(dict(recipe=base, params=r.phases.get(phase_key(s), {}))) for s in sel}
     todo = [s for s in sel if not _done(state, s, fps[s], run_dir)]
     served = serve and not r.target.endpoints and any(phase_key(s) in served_phases() for s in todo)

@@ -522,12 +522,16 @@ def serve(
     port: int = 8000,  # TCP port
     host: str = '127.0.0.1',  # interface; loopback unless you mean to expose it
     continuous_batching: bool = False,  # see `serve_command`; crashes on DeepseekV3 on CPU
+    trust_remote_code: bool = False,  # run the code the model ships (`--trust-remote-code`; Kimi-K2.5's tokenizer)
 ) -> int:  # the server's exit code
     "Serve `model_dir` in the foreground until Ctrl-C"
     signal.signal(
         signal.SIGINT, signal.default_int_handler
     )  # also when started with SIGINT ignored (`cmd &` in a script, nohup)
-    srv = LocalServer(model_dir, port, host, log_path='-', continuous_batching=continuous_batching).start()
+    srv = LocalServer(model_dir, port, host, log_path='-', continuous_batching=continuous_batching)
+    if trust_remote_code:
+        srv.cmd.append('--trust-remote-code')
+    srv.start()
     try:
         srv.wait_ready()
         print(f'Serving {srv.model}\n  base_url: {srv.base_url}\n  model:    {srv.model}\nCtrl-C to stop.', flush=True)

@@ -498,16 +498,19 @@ def toy_samples(
     name: str = 'kimi-tiny',
     eval_n: int = 0,
     final: bool = False,
+    trust_remote_code: bool = False,  # a toy whose tokenizer is its own code (kimi-k25-tiny)
 ) -> dict:
     "Samples from a toy target's own greedy generations: train, eval, draft-vocab maps, embedding, lm_head, config"
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     from eagle3nb.toy import ensure_toy, toy_corpus
     from eagle3nb.recipe import default_aux_layers
+    from eagle3nb.target import load_model
     from eagle3nb.vocab import top_k_ids, vocab_maps
 
     d = ensure_toy(name)
-    tok = AutoTokenizer.from_pretrained(d)
-    tgt = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(d, trust_remote_code=trust_remote_code)
+    tgt = load_model(d, trust_remote_code, dtype=torch.float32).eval()  # a VLM package: its language model inside
+    tc = tgt.config.get_text_config()
     lines = [l for l in toy_corpus().split('\n') if len(tok(l).input_ids) >= prompt_len][: n + eval_n]
     assert len(lines) == n + eval_n, f'the toy corpus has only {len(lines)} lines of {prompt_len}+ tokens'
     ids = torch.tensor([tok(l).input_ids[:prompt_len] for l in lines])  # (N, P)
@@ -515,7 +518,7 @@ def toy_samples(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
     )  # (N, P+G)
     out = tgt(gen, output_hidden_states=True)
-    aux = torch.cat([out.hidden_states[k] for k in default_aux_layers(tgt.config.num_hidden_layers)], -1)  # (N, T, 3H)
+    aux = torch.cat([out.hidden_states[k] for k in default_aux_layers(tc.num_hidden_layers)], -1)  # (N, T, 3H)
     mask = (torch.arange(gen.shape[1]) >= prompt_len).long()
     samples = [
         dict(
@@ -527,7 +530,7 @@ def toy_samples(
         )
         for i in range(len(gen))
     ]
-    V = tgt.config.vocab_size
+    V = tc.vocab_size
     return dict(
         train=samples[:n],
         eval=samples[n:],
@@ -566,11 +569,13 @@ def plot_metrics(
 # %% ../nbs/61_train.ipynb #26e0b0c4
 def _tied(d: Path) -> bool:
     "Does the target's config.json tie lm_head to the input embeddings? (absent: transformers' default, tied)"
+    from eagle3nb.target import text_config
+
     try:
-        c = json.loads((d / 'config.json').read_text())
+        c, t = json.loads((d / 'config.json').read_text()), text_config(d)
     except (OSError, ValueError):
         return False
-    return bool((c.get('text_config') or c).get('tie_word_embeddings', True))
+    return bool(c.get('tie_word_embeddings', t.get('tie_word_embeddings', True)))  # a VLM package's own key first
 
 
 def target_tensors(model_dir) -> dict:  # embed (V, H), lm_head (V, H)

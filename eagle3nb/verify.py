@@ -33,7 +33,12 @@ def _ids(rec, tok) -> list:  # `tok`: called to get the tokenizer, only when a l
     return list(tok().apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
-def read_prompts(path, target_dir, n: int = None) -> list:  # token-id lists
+def read_prompts(
+    path,  # a JSONL file: prompt_token_ids, prompt (text) or messages per line
+    target_dir,  # the target's folder: its tokenizer renders text and messages
+    n: int = None,  # the first `n` lines; None: all
+    trust_remote_code: bool = False,  # the tokenizer is the model's own code (`target.trust_remote_code`)
+) -> list:  # token-id lists
     "Prompts from a JSONL file, as token ids for `target_dir`'s tokenizer"
     from transformers import AutoTokenizer
 
@@ -56,7 +61,7 @@ def read_prompts(path, target_dir, n: int = None) -> list:  # token-id lists
         raise ValueError(f"{p} holds no prompts (one JSON object a line)")
     from functools import cache
 
-    tok = cache(lambda: AutoTokenizer.from_pretrained(str(target_dir)))
+    tok = cache(lambda: AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code))
     return [_ids(r, tok) for r in recs]
 
 # %% ../nbs/72_verify.ipynb #61ff0c72
@@ -122,12 +127,18 @@ def load_draft(
 # %% ../nbs/72_verify.ipynb #12b4e603
 @torch.no_grad()
 def offline_estimate(
-    draft: Eagle3Draft, target_dir, prompts: list, continuations: list, aux_layers: list, k: int = 3
+    draft: Eagle3Draft,
+    target_dir,
+    prompts: list,
+    continuations: list,
+    aux_layers: list,
+    k: int = 3,
+    trust_remote_code: bool = False,  # the target's own model code (`target.trust_remote_code`)
 ) -> dict:
     "Simulated accept length of `draft` on the target's own continuations: accept_sim, accept_est, per-step acc"
-    from transformers import AutoModelForCausalLM
+    from eagle3nb.target import load_model
 
-    tgt = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    tgt = load_model(target_dir, trust_remote_code, dtype=torch.float32).eval()  # a VLM package: its language model
     samples = []
     for p, c in zip(prompts, continuations):
         ids = torch.tensor([list(p) + list(c)])  # (1, T)
@@ -173,7 +184,7 @@ def toy_export(
 OFFLINE_MAX_BYTES = 8 << 30  # the offline estimate runs the target in this process: toys and small models only
 
 
-def _offline(r: dict, draft_dir, target_dir, prompts: list, k: int, offline: bool = None) -> dict:
+def _offline(r: dict, draft_dir, target_dir, prompts: list, k: int, offline: bool = None, trc: bool = False) -> dict:
     "`r` with our offline estimate on the served continuations, or the reason it was not computed"
     size = sum(f.stat().st_size for f in Path(target_dir).glob('*.safetensors'))
     r['offline_accept_length'] = None
@@ -189,7 +200,7 @@ def _offline(r: dict, draft_dir, target_dir, prompts: list, k: int, offline: boo
     if offline and r['loaded']:
         aux = json.loads((Path(draft_dir) / 'config.json').read_text())['eagle_aux_hidden_state_layer_ids']
         dr, src = load_draft(draft_dir, target_dir)
-        est = offline_estimate(dr, target_dir, prompts, r['continuations'], aux, k)
+        est = offline_estimate(dr, target_dir, prompts, r['continuations'], aux, k, trc)
         r.update(offline_accept_length=est['accept_sim'], offline=dict(**est, source=src))
     return r
 
@@ -205,15 +216,17 @@ def verify(
     log_dir=None,  # keep the servers' logs here
     mla_disable: bool = None,  # None: on for an MLA target with a Llama (MHA) draft on the CPU build
     python=None,  # the engine's python (a vLLM venv); default `vllm_python()`
+    trust_remote_code: bool = False,  # without `engines`: the target's own code runs (`--trust-remote-code`)
 ) -> dict:
     "Serve the draft in vLLM beside the target alone; the figures `--json` writes, plus the continuations"
-    es = engines or EngineSession.of(target_dir, python=python)
+    es = engines or EngineSession.of(target_dir, python=python, trust_remote_code=trust_remote_code)
+    trc = es.engine_flags['trust_remote_code']  # the session's recipe says it: its servers and the offline forward
     try:
         r = verify_served(es, draft_dir, prompts, max_tokens, k, mla_disable, log_dir, python)
     finally:
         if engines is None:
             es.close()
-    return _offline(r, draft_dir, target_dir, prompts, k, offline)
+    return _offline(r, draft_dir, target_dir, prompts, k, offline, trc)
 
 # %% ../nbs/72_verify.ipynb #2677e8e2
 def verify_rows(r: dict) -> pd.DataFrame:  # columns check, status, detail
@@ -314,6 +327,7 @@ def verify_cli(
     json_out=None,  # write the figures here
     offline: bool = None,  # our offline estimate; None: when the target is small enough
     engine=None,  # a vLLM venv or its python
+    trust_remote_code: bool = False,  # the target's own tokenizer and model code runs (`--trust-remote-code`)
 ) -> int:  # exit status
     "`eagle3nb verify DRAFT --target T`: print the table, write --json; 1 if any check fails"
     from eagle3nb.recipe import write_json
@@ -323,8 +337,8 @@ def verify_cli(
             raise FileNotFoundError(f"{what} {p}: no config.json there (an exported draft / a model folder)")
     if not (prompts or recipe):
         raise ValueError("give --prompts FILE (JSONL) or --recipe RECIPE (its eval split) to verify on")
-    ps = read_prompts(prompts, target, n) if prompts else recipe_prompts(recipe, n)
-    r = verify(draft, target, ps, max_tokens, k, offline, python=engine)
+    ps = read_prompts(prompts, target, n, trust_remote_code) if prompts else recipe_prompts(recipe, n)
+    r = verify(draft, target, ps, max_tokens, k, offline, python=engine, trust_remote_code=trust_remote_code)
     df = verify_rows(r)
     print(verify_report(df))
     if json_out:

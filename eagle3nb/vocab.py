@@ -225,10 +225,10 @@ def load_vocab(out_dir) -> tuple:  # d2t, t2d, summary
 
 # %% ../nbs/45_vocab.ipynb #7c9fe84f
 def target_vocab_size(model_dir) -> int:
-    "Rows of the target's embedding (config `vocab_size`)"
-    from transformers import AutoConfig
+    "Rows of the target's embedding: its config's `vocab_size` (a VLM package's: its language model's)"
+    from .target import text_config
 
-    return int(AutoConfig.from_pretrained(model_dir).get_text_config().vocab_size)
+    return int(text_config(model_dir)['vocab_size'])
 
 
 def family_special_ids(tok) -> dict:  # token -> id
@@ -284,7 +284,7 @@ def vocab_recipe(
 
     t0, n_target = time.time(), target_vocab_size(model)
     counts = count_tokens(load_from_disk(str(corpus / 'train')), n_target)
-    v = build_vocab(counts, k, family_special_ids(load_tokenizer(model)))
+    v = build_vocab(counts, k, family_special_ids(load_tokenizer(model, r.target.trust_remote_code)))
     save_vocab(out, v, counts, dict(params=params, seconds=round(time.time() - t0, 3)))
     return load_vocab(out)[2]
 

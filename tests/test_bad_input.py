@@ -477,6 +477,16 @@ def cases() -> list:
         ('misspelt phase name', dict(phases=dict(trian=dict(max_steps=3))), ['phases.trian']),
         ('missing target folder', dict(target=dict(model='/nonexistent/model')), ['target.model']),
         ('target folder without config', dict(target=dict(model='/tmp')), ['target.model', 'config.json']),
+        (
+            'trust_remote_code under phases.doctor (now the target\'s)',
+            dict(phases=dict(doctor=dict(trust_remote_code=True))),
+            ['phases.doctor.trust_remote_code', 'now target.trust_remote_code'],
+        ),
+        (
+            'target.trust_remote_code not a bool',
+            dict(target=dict(model='/tmp', trust_remote_code='maybe')),
+            ['target.trust_remote_code'],
+        ),
     ]:
         add(f'recipe check: {label}', lambda d, S: ['recipe', 'check', d / 'recipe.yaml'], 1, words, rc(**kw))
 

@@ -99,18 +99,20 @@ def test_good_export_passes(good, kimi_tiny, tmp_path, capsys):
         f = tmp_path / 'launch.sh'
         f.write_text(f'#!/bin/bash\nset -e\n{cmd}\n')
         df = doctor(good, kimi_tiny, server_args=f)
-        assert list(df.check) == list(CHECKS) and list(df.status) == ['ok'] * (len(CHECKS) - 1) + ['n/a'], df.to_dict(
-            'records'
-        )  # engine: not asked
+        assert list(df.check) == list(CHECKS) and list(df.status) == ['ok'] * (len(CHECKS) - 2) + ['n/a'] * 2, (
+            df.to_dict('records')
+        )  # engine, render parity: not asked
         assert doctor_cli(good, kimi_tiny, server_args=str(f), engine=False) == 0
-    assert capsys.readouterr().out.strip().endswith('doctor: all checks passed (1 n/a)')
+    assert capsys.readouterr().out.strip().endswith('doctor: all checks passed (2 n/a)')
     assert doctor_cli(good, kimi_tiny, engine=False) == 0
     out = capsys.readouterr().out
     assert (
-        out.strip().endswith('doctor: all checks passed (2 n/a)') and 'give --server-args FILE or --server URL' in out
+        out.strip().endswith('doctor: all checks passed (3 n/a)') and 'give --server-args FILE or --server URL' in out
     )
     with FakeServer(sglang_info(kimi_tiny, good)) as s:
         assert doctor_cli(good, kimi_tiny, server=s.url + "/v1", engine=False) == 0
+        row = doctor(good, kimi_tiny, server=s.url + '/v1').set_index('check').loc['render_parity']
+    assert row.status == 'n/a' and row.detail.startswith('render parity not checked:'), row  # no POST /tokenize there
 
 
 def test_server_args_forms(good, kimi_tiny):
@@ -391,3 +393,42 @@ def test_engine_row_fails_when_vllm_refuses_the_draft(good, kimi_tiny, monkeypat
     served = dict(loaded=True, warnings=[], greedy_identical=3, accepted=5, draft_tokens=9, accept_length=1.5)
     row = doctor(good, kimi_tiny, engine=True).set_index('check').loc['engine']
     assert row.status == 'FAIL' and 'greedy output changed with the draft on 1 of 4 prompts' in row.detail
+
+
+class TokenizeServer(FakeServer):
+    "Loopback HTTP server whose POST /tokenize answers `fn(body)`: an engine's render, as a test decides it"
+
+    def __init__(self, fn):
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers['Content-Length'])))
+                out = json.dumps(fn(body)).encode() if self.path == '/tokenize' else b'{"detail":"Not Found"}'
+                self.send_response(200 if self.path == '/tokenize' else 404)
+                self.send_header('Content-Length', str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *a):
+                pass
+
+        self.srv = http.server.ThreadingHTTPServer(('127.0.0.1', 0), H)
+        self.url = f'http://127.0.0.1:{self.srv.server_address[1]}'
+
+
+def test_render_parity_row(good, kimi_tiny, capsys):
+    "An engine that renders as the target's tokenizer does passes the row; one that adds a BOS fails it, at token 0"
+    from eagle3nb.parity import tokenizer_ask
+    from eagle3nb.render import load_tokenizer
+
+    tok = load_tokenizer(kimi_tiny)
+    same = tokenizer_ask(tok)
+    with TokenizeServer(same) as s:
+        row = doctor(good, kimi_tiny, engine_url=s.url + '/v1').set_index('check').loc['render_parity']
+    assert row.status == 'ok' and row.detail.startswith('render parity: 6/6 prompts token-equal'), row.detail
+    assert '(built-in probes, thinking True)' in row.detail  # the toy export's record names no rendered data
+    bos = lambda body: dict(tokens=[tok.bos_token_id] + same(body)['tokens'])
+    with TokenizeServer(bos) as s:
+        assert doctor_cli(good, kimi_tiny, engine=False, engine_url=s.url) == 1
+    err = capsys.readouterr().err
+    assert 'eagle3nb doctor: error: render_parity: render parity FAILED: 0/6 prompts token-equal' in err, err
+    assert "token 0 (ours" in err and "the engine '[BOS]" in err and 'To fix: render the data with' in err, err

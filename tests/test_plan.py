@@ -156,6 +156,50 @@ def test_kimi_plan_without_data(tmp_path, monkeypatch, capsys):
         in cmds
     )
     assert '--speculative http://sglang-eagle3:30000/v1 --model kimi-k2.5' in cmds and '--concurrency 1,8,32' in cmds
+    # Kimi's deploy guidance: the engines run its own code and parse its tool calls (and, thinking, its reasoning)
+    assert r.target.trust_remote_code and 'trust_remote_code' not in r.phases.get('doctor', {})
+    kimi = '--trust-remote-code --tool-call-parser kimi_k2 --reasoning-parser kimi_k2'
+    vkimi = '--trust-remote-code --enable-auto-tool-choice --tool-call-parser kimi_k2 --reasoning-parser kimi_k2'
+    lines = cmds.splitlines()
+    sg = [l for l in lines if l.startswith('python -m sglang.launch_server')]
+    vl = [l for l in lines if l.startswith('vllm serve') and 'extract_hidden_states' not in l]
+    assert len(sg) == 2 and all(l.endswith(kimi) or f'{kimi} ' in l for l in sg), sg  # the endpoints, the draft's
+    assert len(vl) == 2 and all(vkimi in l for l in vl), vl
+    assert any('--speculative-algorithm EAGLE3' in l for l in sg) and any('"method": "eagle3"' in l for l in vl)
+    assert '--served-model-name kimi-k2.5' in sg[0] and '--tp 8' in sg[0]
+    ex = [l for l in lines if l.startswith('vllm serve') and 'extract_hidden_states' in l]
+    assert len(ex) == 1 and '--trust-remote-code' in ex[0]
+    assert all(
+        '--trust-remote-code' in l
+        for l in lines
+        if l.startswith(('eagle3nb doctor', 'eagle3nb verify', 'eagle3nb export'))
+    )
+    assert '"tp": 8' in md and 'phases.export' in md  # the launch's parameters, among the phases' in the plan
+
+
+def test_launch_lines_follow_the_target(smoke):
+    "A recipe without trust_remote_code: none on our verbs or the extraction server; the draft's launch keeps it"
+    from eagle3nb.plan import PHASE_DEFAULTS
+    from eagle3nb.phases.export import Params as ExportParams
+
+    f = plan_facts(smoke, version=1)
+    lines = [l for _, _, ls in f['commands'] for l in ls]
+    assert not smoke.target.trust_remote_code
+    assert not any('--trust-remote-code' in l for l in lines if l.startswith('eagle3nb'))
+    launch = [l for l in lines if l.startswith(('python -m sglang.launch_server', 'vllm serve'))]
+    ex = [l for l in launch if 'extract_hidden_states' in l]  # the extraction server: the recipe's value
+    launch = [l for l in launch if l not in ex]
+    assert len(ex) == 1 and '--trust-remote-code' not in ex[0]
+    assert launch and all('--trust-remote-code' in l for l in launch)
+    assert all('--tool-call-parser kimi_k2' in l for l in launch if 'EAGLE3' in l or 'eagle3' in l)  # a Kimi-family toy
+    thinking_off = smoke.model_copy(deep=True)
+    thinking_off.target.thinking = False
+    lines = [l for _, _, ls in plan_facts(thinking_off, version=1)['commands'] for l in ls]
+    assert not any('--reasoning-parser' in l for l in lines)
+    assert PHASE_DEFAULTS['export'] == {
+        k: v for k, v in ExportParams.defaults().items() if k in PHASE_DEFAULTS['export']
+    }
+    assert set(PHASE_DEFAULTS['export']) == {'tp', 'num_steps', 'topk'}
 
 
 def test_phase_notebook_writes_into_run_dir(smoke, tmp_path):

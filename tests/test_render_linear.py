@@ -29,7 +29,7 @@ def per_event(convs, tok, thinking=True, merge=True):
 
 
 def drop(rows):
-    return [{k: v for k, v in r.items() if k not in ('fallback', 'renders')} for r in rows]
+    return [{k: v for k, v in r.items() if k not in ('fallback', 'renders', 'twin_checked')} for r in rows]
 
 
 turn = st.fixed_dictionaries(
@@ -158,4 +158,6 @@ def test_manifest_counts_fallback_and_renders(toys, tmp_path):
     assert m['fallback'] == dict(conversations=0, reasons={}) and 0 < m['prompt_renders'] <= m['events']
     from datasets import load_from_disk
 
-    assert not {'fallback', 'renders'} & set(load_from_disk(str(tmp_path / 'r')).column_names)  # bookkeeping, not saved
+    assert not {'fallback', 'renders', 'twin_checked'} & set(
+        load_from_disk(str(tmp_path / 'r')).column_names
+    )  # bookkeeping, not saved

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eagle3nb.toy import TOYS, BASE_TOYS, SAMPLE_TOOLS, build_toy, ensure_toy, sample_chat, special_tokens
+from eagle3nb.toy import TOYS, BASE_TOYS, SAMPLE_TOOLS, build_toy, ensure_toy, sample_chat, special_tokens, toy_corpus
 
 ENV = {**os.environ, 'OMP_NUM_THREADS': '1', 'HF_HUB_OFFLINE': '1', 'TOKENIZERS_PARALLELISM': 'false'}
 
@@ -21,7 +21,7 @@ def build_in_subprocess(name, out):
     return subprocess.run([sys.executable, '-c', code], env=ENV, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize('name', BASE_TOYS)
+@pytest.mark.parametrize('name', [*BASE_TOYS, 'kimi-k25-tiny'])
 def test_same_bytes_across_processes(tmp_path, name):
     "Two fresh processes (different hash seeds) build byte-identical directories"
     for d in ('a', 'b'):
@@ -96,5 +96,45 @@ def test_cli_shaped_errors(tmp_path):
     (tmp_path / 'mine' / 'x').write_text('x')
     with pytest.raises(FileExistsError, match='choose another --out'):
         build_toy('kimi-tiny', tmp_path / 'mine')
-    with pytest.raises(ValueError, match='known toys: kimi-tiny, qwen3-tiny'):
+    with pytest.raises(ValueError, match='known toys: kimi-tiny, qwen3-tiny, .*kimi-k25-tiny, kimi-k25-tiny-trained'):
         build_toy('gpt-tiny', tmp_path / 'g')
+
+
+def test_toy_list():
+    "Every toy a recipe may name, in the order `eagle3nb toy list` prints them"
+    assert list(TOYS) == [
+        'kimi-tiny',
+        'qwen3-tiny',
+        'kimi-tiny-trained',
+        'qwen3-tiny-trained',
+        'kimi-k25-tiny',
+        'kimi-k25-tiny-trained',
+    ]
+    assert BASE_TOYS == ('kimi-tiny', 'qwen3-tiny')
+
+
+K25_LOAD = """
+import json, sys
+from transformers import AutoModelForCausalLM, AutoTokenizer
+d = sys.argv[1]
+tok = AutoTokenizer.from_pretrained(d, trust_remote_code=True)
+m = AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True)
+print(json.dumps([type(tok).__name__, type(m).__name__, tok.encode(open(sys.argv[2], encoding='utf-8', newline='').read())]))
+"""
+
+
+def test_k25_loads_as_remote_code_in_a_fresh_process(tmp_path):
+    "A fresh interpreter loads kimi-k25-tiny's tokenizer and model through their remote code, kimi-tiny's ids"
+    from eagle3nb.toy import CORPUS
+
+    d = ensure_toy('kimi-k25-tiny', tmp_path / 'k25')
+    env = {**ENV, 'HF_MODULES_CACHE': str(tmp_path / 'modules')}  # a cold remote-code cache
+    r = subprocess.run(
+        [sys.executable, '-c', K25_LOAD, str(d), str(CORPUS)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    cls, model, ids = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (cls, model) == ('TikTokenTokenizer', 'Kimi_K25ForConditionalGeneration')
+    kt = AutoTokenizer.from_pretrained(ensure_toy('kimi-tiny', tmp_path / 'kt'))
+    assert ids == kt.encode(toy_corpus())
+    assert sorted((tmp_path / 'modules').rglob('tokenization_kimi.py'))  # loaded from the folder, as remote code

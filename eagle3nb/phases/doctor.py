@@ -17,7 +17,6 @@ class Params(_Params):
         '', description='a launch command or script file; empty means every launch_*.sh of run_dir'
     )
     server: str = Field('', description='URL of a running SGLang server to ask as well')
-    trust_remote_code: bool = Field(False, description="run the target's own config and tokenizer code (Kimi needs it)")
     engine: bool = Field(False, description='also serve the draft in vLLM (the engine row); the verify phase does')
 
 
@@ -52,7 +51,7 @@ def _draft(ctx: RunContext, p: Params) -> Path:
     d = Path(p.draft or ctx.data_root / 'export')
     if ctx.smoke:
         d = toy_export(ctx.target, d)
-        write_launch_scripts(ctx.run_dir, launch_commands(d, ctx.target))
+        write_launch_scripts(ctx.run_dir, launch_commands(d, ctx.target, thinking=ctx.recipe.target.thinking))
     return d
 
 # %% ../../nbs/96_phases/71_doctor.ipynb #c56abd7d
@@ -66,7 +65,7 @@ def run(ctx: RunContext, p: Params) -> Record:
         return Record(skipped='the recipe lists no datasets, so nothing was trained or exported')
     if not (d / 'config.json').exists():
         raise FileNotFoundError(f'{d}: no exported draft (config.json); run the export phase (70_export) first')
-    kw = dict(trust_remote_code=p.trust_remote_code, engine=p.engine)
+    kw = dict(trust_remote_code=ctx.trust_remote_code, engine=p.engine)  # the recipe's target.trust_remote_code
     srcs = launches(ctx.run_dir, p.server_args, p.server)
     checks = [
         dict(source=s, **row) for s, a in srcs.items() for row in doctor(d, ctx.target, **a, **kw).to_dict('records')

@@ -39,7 +39,7 @@ def _checkpoint(ctx: RunContext, p: Params) -> Path | None:
 
     ck = Path(p.checkpoint) if p.checkpoint else latest_checkpoint(ctx.run_dir)
     if ck is None and ctx.smoke:
-        ck = random_checkpoint(ctx.target, ctx.run_dir / 'smoke')  # no training in a smoke run: a random draft
+        ck = random_checkpoint(ctx.target, ctx.run_dir / 'smoke', trust_remote_code=ctx.trust_remote_code)
     if ck is None and ctx.recipe.datasets:
         raise FileNotFoundError(
             f'no checkpoints/step_N in {ctx.run_dir}: run the train phase (60_train) in this run first, '
@@ -57,10 +57,12 @@ def run(ctx: RunContext, p: Params) -> Record:
     if ck is None:
         return Record(skipped='the recipe lists no datasets, so nothing was trained')
     out = Path(p.out or ctx.data_root / 'export')
-    cfg = export_draft(ck, out, ctx.target, data_root=None if ctx.smoke else ctx.data_root)
+    data_root = None if ctx.smoke else ctx.data_root  # no training record in a smoke run: a random draft
+    cfg = export_draft(ck, out, ctx.target, data_root=data_root, trust_remote_code=ctx.trust_remote_code)
     if problems := check_export(out):
         raise ValueError(f'{out}: the export fails its checks: {problems}')
-    cmds = launch_commands(out.resolve(), ctx.target, tp=p.tp, num_steps=p.num_steps, topk=p.topk)
+    kw = dict(tp=p.tp, num_steps=p.num_steps, topk=p.topk, thinking=ctx.recipe.target.thinking)
+    cmds = launch_commands(out.resolve(), ctx.target, **kw)  # the target's own flags too: remote code, parsers
     write_launch_scripts(ctx.run_dir, cmds)
     return Record(checkpoint=str(ck), out=str(out), config=cfg, launch=cmds, no_sglang=sglang_problem(cfg))
 

@@ -56,13 +56,14 @@ def smoke_corpus(
     out,  # the corpus split folder to write, e.g. <data_root>/corpus/train
     toy: str = 'kimi-tiny',  # the toy's name: its sample conversation
     n: int = SMOKE_SAMPLES,
+    trust_remote_code: bool = False,  # the toy's tokenizer is its own code (`target.trust_remote_code`)
 ):  # out
     "A corpus split of `n` prefixes of one rendered tool-call conversation; equal lengths in pairs"
     from datasets import Dataset
     from eagle3nb.render import load_tokenizer
     from eagle3nb.toy import SAMPLE_TOOLS, sample_chat
 
-    ids = load_tokenizer(model_dir).apply_chat_template(
+    ids = load_tokenizer(model_dir, trust_remote_code).apply_chat_template(
         sample_chat(toy), tools=SAMPLE_TOOLS, tokenize=True, return_dict=False
     )
     ids = list(ids['input_ids'] if isinstance(ids, dict) else ids)
@@ -96,7 +97,8 @@ def run(ctx: RunContext, p: Params) -> Record:
         raise ValueError(f"engine {p.engine!r}: use hf or vllm")
     modes = p.modes or ('bf16,compact' if ctx.smoke else 'bf16')
     if ctx.smoke:
-        smoke_corpus(ctx.target, ctx.data_root / 'corpus' / 'train', ctx.recipe.target.toy)
+        corpus = ctx.data_root / 'corpus' / 'train'
+        smoke_corpus(ctx.target, corpus, ctx.recipe.target.toy, trust_remote_code=ctx.trust_remote_code)
     if p.engine == 'vllm':
         rows = extract_context_engine(ctx, modes, p.splits, p.topk, p.shard_mb, p.concurrency, p.spool)
     else:

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..phase import Record as _Record, RunContext, phase
 from ..generate import GenParams as Params
 from ..generate import completed_samples, demo_recipe, gen_dir, generate, outcome_table, records_df
-from ..generate import wanted_samples, write_prompts
+from ..generate import check_params, wanted_samples, write_prompts
 
 # %% ../../nbs/96_phases/30_generate.ipynb #66bb3eeb
 class Record(_Record):
@@ -19,6 +19,7 @@ class Record(_Record):
     completed: list = []  # per dataset: responses, samples, tokens written to generated/<dataset>/samples
     generated: str = ''  # the folder of the shard files, `<data_root>/generated`
     catalog: str = ''  # the catalog holding the samples' `generate` states
+    parity: dict = {}  # our rendered prompts against the engine's render, checked first (`parity.check_run`)
 
     def headline(self) -> str:
         ok, tokens = sum(o['ok'] for o in self.outcomes), sum(o['completion_tokens'] for o in self.outcomes)
@@ -54,6 +55,7 @@ def served(r, endpoint):  # -> Recipe
 def run(ctx: RunContext, p: Params) -> Record:
     "The target's responses for every sample of `p.kinds` that has none yet; answered prompts become training samples"
     from eagle3nb.render import load_tokenizer
+    from eagle3nb.parity import check_run, require_parity
 
     if not ctx.smoke:  # the catalog first: a missing or damaged one is said before any server is asked
         wanted_samples(ctx.catalog, p.kinds)
@@ -61,14 +63,17 @@ def run(ctx: RunContext, p: Params) -> Record:
     r = smoke_catalog(ctx, endpoint) if ctx.smoke else served(ctx.recipe, endpoint)
     if ctx.smoke and not p.max_new_tokens:
         p = p.model_copy(update=dict(max_new_tokens=16))  # short answers from the slow CPU toy
+    check_params(p)  # the parameters agree with each other before anything is sent
+    tok = load_tokenizer(r.target.model, r.target.trust_remote_code)
+    par = require_parity(check_run(r, endpoint.base_url, endpoint.model, tok, api_key=endpoint.api_key))  # the gate
     s, out = generate(r, p), gen_dir(r.data_root)
     if not len(wanted_samples(r.catalog, p.kinds)):
         why = f'the catalog has no samples of kinds {p.kinds}'
-        return Record(skipped=why, summary=s, generated=str(out), catalog=r.catalog)
-    tok, rendered = load_tokenizer(r.target.model), Path(r.data_root) / 'rendered'
+        return Record(skipped=why, summary=s, generated=str(out), catalog=r.catalog, parity=par)
+    tok, rendered = load_tokenizer(r.target.model, r.target.trust_remote_code), Path(r.data_root) / 'rendered'
     done = []
     for d in r.datasets:
         if (out / d.name).exists():
             done.append(dict(dataset=d.name, **completed_samples(rendered / d.name, out / d.name, tok)))
     rows = outcome_table(records_df(out)).to_dict('records')
-    return Record(summary=s, outcomes=rows, completed=done, generated=str(out), catalog=r.catalog)
+    return Record(summary=s, outcomes=rows, completed=done, generated=str(out), catalog=r.catalog, parity=par)

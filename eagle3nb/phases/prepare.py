@@ -104,13 +104,13 @@ def examples(
 @phase('prepare', '10_prepare', Params, Record, help='every dataset of the recipe into canonical conversations')
 def run(ctx: RunContext, p: Params) -> Record:
     "Prepare the recipe's datasets (a smoke run: the shipped samples) and render a few of each"
-    from transformers import AutoTokenizer
+    from eagle3nb.render import load_tokenizer
     from eagle3nb.target import special_texts
 
     datasets = sample_datasets(SMOKE) if ctx.smoke else ctx.recipe.datasets
     if not datasets:
         return Record(skipped='the recipe lists no datasets')
-    tok = AutoTokenizer.from_pretrained(ctx.target)
+    tok = load_tokenizer(ctx.target, ctx.trust_remote_code)  # the recipe's: the tokenizer may be the model's code
     # a record whose text holds a special token is rejected, as render would reject it
     done = prepare_datasets(ctx, datasets, p.limit, p.force, special_texts(tok))
     out = ctx.data_root / 'prepared'

@@ -106,8 +106,7 @@ SMOKE = ['glaive_toolcall_lf', 'lf_reason_tool_use']  # the smoke run's datasets
 @phase('render', '15_render', Params, Record, help="every prepared conversation in the target's format")
 def run(ctx: RunContext, p: Params) -> Record:
     "Render each prepared dataset of the recipe (a smoke run: two shipped samples, prepared first)"
-    from transformers import AutoTokenizer
-    from eagle3nb.render import render_dataset
+    from eagle3nb.render import load_tokenizer, render_dataset
 
     datasets = sample_datasets(SMOKE) if ctx.smoke else ctx.recipe.datasets
     if not datasets:
@@ -116,10 +115,11 @@ def run(ctx: RunContext, p: Params) -> Record:
         prepare_datasets(ctx, datasets, progress=False)
     root, thinking = ctx.data_root, ctx.recipe.target.thinking
     kw = dict(thinking=thinking, merge=p.merge, num_proc=p.num_proc, force=p.force)
+    kw.update(trust_remote_code=ctx.trust_remote_code)  # the recipe's: the tokenizer may be the model's own code
     done = {
         ds.name: render_dataset(root / 'prepared' / ds.name, ctx.target, root / 'rendered' / ds.name, **kw)
         for ds in datasets
     }
-    tok = AutoTokenizer.from_pretrained(ctx.target)
+    tok = load_tokenizer(ctx.target, ctx.trust_remote_code)
     shown = {n: first_sample(root / 'rendered' / n, tok) for n in done}
     return Record(datasets=done, shown={n: s for n, s in shown.items() if s})

@@ -96,7 +96,7 @@ def smoke_inputs(ctx: RunContext) -> Inputs:
     from eagle3nb.train import toy_samples
     from eagle3nb.vocab import top_k_ids, vocab_maps
 
-    ts = toy_samples(n=8, new_tokens=48, eval_n=4, name=ctx.recipe.target.toy)
+    ts = toy_samples(n=8, new_tokens=48, eval_n=4, name=ctx.recipe.target.toy, trust_remote_code=ctx.trust_remote_code)
     d2t, t2d = vocab_maps(top_k_ids(ts['counts'], 1024), ts['V'])
     return Inputs(ts['train'], ts['eval'], ts['embed'], None, ts['config'], d2t, t2d)  # samples carry target_logits
 
@@ -117,6 +117,7 @@ def store_inputs(ctx: RunContext, mode: str = '') -> Inputs | str:  # the inputs
     "A recipe's: the `mode` store (default bf16, else compact) of the extract phase, the vocab phase's maps"
     from eagle3nb.store import HiddenStates, shard_files
     from eagle3nb.train import target_tensors
+    from eagle3nb.target import text_config
     from eagle3nb.vocab import load_vocab
 
     root = ctx.data_root
@@ -130,13 +131,13 @@ def store_inputs(ctx: RunContext, mode: str = '') -> Inputs | str:  # the inputs
     mode, hidden = found[0], root / 'hidden' / found[0]
     d2t, t2d, _ = load_vocab(root / 'vocab')
     tt = target_tensors(ctx.target)  # kept in their dtype (bf16: half the memory)
-    c = json.loads((Path(ctx.target) / 'config.json').read_text())
+    c = text_config(ctx.target)  # a VLM package: its language model's
     return Inputs(
         train=HiddenStates(hidden / 'train'),
         eval=HiddenStates(hidden / 'eval') if shard_files(hidden / 'eval') else None,
         embed=tt['embed'],
         lm_head=tt['lm_head'] if mode == 'bf16' else None,  # compact samples carry top-k probabilities instead
-        config=SimpleNamespace(**c.get('text_config', c)),
+        config=SimpleNamespace(**c),
         d2t=d2t,
         t2d=t2d,
         mode=mode,
