@@ -211,6 +211,7 @@ def _doctor(a):
             server=a.server,
             trust_remote_code=a.trust_remote_code,
             engine=False if a.no_engine else None,
+            engine_url=a.engine_url,
         )
     )
 
@@ -484,6 +485,10 @@ def parser(suppress: bool = False) -> argparse.ArgumentParser:
         '--no-engine',
         action='store_true',
         help='skip the engine row (by default it serves the draft in vLLM when one is installed)',
+    )
+    dr.add_argument(
+        '--engine-url',
+        help='base URL of the engine serving the target: the render_parity row compares our rows with its own render',
     )
     sb = sub.add_parser(
         'serve-bench',
