@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['ENGINE_VAR', 'SILENT_SIGNS', 'EngineNotFound', 'vllm_python', 'engine_available', 'engine_info', 'vllm_command',
            'engine_env', 'EngineError', 'group_pids', 'VllmServer', 'root_cause', 'prom_samples', 'parse_counters',
-           'spec_counters', 'counter_delta', 'vllm_version', 'complete_ids', 'is_mla', 'mla_disable_for',
+           'server_root', 'spec_counters', 'counter_delta', 'vllm_version', 'complete_ids', 'is_mla', 'mla_disable_for',
            'verify_served', 'serve_engine']
 
 # %% ../nbs/05_engine.ipynb #c4683b49
@@ -331,14 +331,15 @@ def parse_counters(text: str) -> dict:  # drafts, draft_tokens, accepted, per_po
     return out
 
 # %% ../nbs/05_engine.ipynb #b0e8fdeb
-def _root(base_url: str) -> str:
-    return base_url.rstrip('/').removesuffix('/v1')  # the server root of a .../v1 URL
+def server_root(base_url: str) -> str:
+    "The server root of an OpenAI base URL (`/metrics`, `/version`, `/tokenize` are there, not under `/v1`)"
+    return base_url.rstrip('/').removesuffix('/v1')
 
 
 def spec_counters(base_url: str) -> dict:
     "The speculative counters of the vLLM server at `base_url` (.../v1 or its root)"
     with http_client(30) as c:
-        return parse_counters(raise_for_status(c.get(_root(base_url) + '/metrics')).text)
+        return parse_counters(raise_for_status(c.get(server_root(base_url) + '/metrics')).text)
 
 
 def counter_delta(a: dict, b: dict) -> dict:
@@ -357,7 +358,7 @@ def vllm_version(base_url: str, timeout: float = 5.0) -> str | None:
     "The vLLM version the server at `base_url` reports (`GET /version`); None when it is no vLLM or does not answer"
     try:
         with http_client(timeout) as c:
-            v = raise_for_status(c.get(_root(base_url) + '/version')).json()
+            v = raise_for_status(c.get(server_root(base_url) + '/version')).json()
     except (httpx.HTTPError, ValueError):
         return None
     return v.get('version') if isinstance(v, dict) else None
