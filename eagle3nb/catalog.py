@@ -6,7 +6,7 @@
 __all__ = ['SCHEMA_VERSION', 'LOCK_TIMEOUT', 'SAMPLE_COLUMNS', 'STATES', 'RUN_STATUSES', 'TABLES', 'catalog_path', 'lock_holder',
            'describe_pid', 'CatalogLocked', 'CatalogUnreadable', 'connect', 'record_dataset', 'upsert_samples',
            'partition', 'repartition', 'set_state', 'state_counts', 'todo', 'record_run', 'query', 'samples_df',
-           'length_quantiles', 'snapshot', 'plot_lengths']
+           'record_downloads', 'record_rate', 'measured_rate', 'length_quantiles', 'snapshot', 'plot_lengths']
 
 # %% ../nbs/01_catalog.ipynb #1d6defe2
 import json, os, re, time
@@ -159,8 +159,12 @@ _DDL = [
     "samples BIGINT, tokens BIGINT, params JSON, updated TIMESTAMPTZ)",
     "CREATE TABLE IF NOT EXISTS runs (run_id VARCHAR, phase VARCHAR, recipe VARCHAR, status VARCHAR, "
     "started TIMESTAMPTZ, finished TIMESTAMPTZ, params JSON, PRIMARY KEY (run_id, phase))",
+    "CREATE TABLE IF NOT EXISTS downloads (dataset VARCHAR, file VARCHAR, repo VARCHAR, revision VARCHAR, "
+    "commit VARCHAR, bytes BIGINT, sha256 VARCHAR, updated TIMESTAMPTZ, PRIMARY KEY (dataset, file))",
+    "CREATE TABLE IF NOT EXISTS rates (run_id VARCHAR, phase VARCHAR, tokens BIGINT, samples BIGINT, "
+    "seconds DOUBLE, tok_per_s DOUBLE, gpus INTEGER, detail JSON, recorded TIMESTAMPTZ, PRIMARY KEY (run_id, phase))",
 ]
-TABLES = ('meta', 'datasets', 'samples', 'sample_state', 'partitions', 'runs')
+TABLES = ('meta', 'datasets', 'samples', 'sample_state', 'partitions', 'runs', 'downloads', 'rates')
 
 # %% ../nbs/01_catalog.ipynb #feaf48b4
 def _check_version(con, path):
@@ -506,6 +510,66 @@ def samples_df(
         params,
         timeout,
     )
+
+# %% ../nbs/01_catalog.ipynb #ab94f852
+def record_downloads(
+    path,
+    dataset: str,
+    rows: list,  # dicts: file, repo, revision, commit, bytes, sha256
+    timeout: float = None,
+):
+    "Insert or replace the `downloads` rows of `dataset`'s files"
+    sql = """INSERT OR REPLACE INTO downloads VALUES ($dataset, $file, $repo, $revision, $commit, $bytes, $sha256, now())"""
+    with connect(path, timeout=timeout) as con:
+        for r in rows:
+            con.execute(
+                sql,
+                dict(
+                    dataset=dataset, **{k: r.get(k) for k in ('file', 'repo', 'revision', 'commit', 'bytes', 'sha256')}
+                ),
+            )
+
+# %% ../nbs/01_catalog.ipynb #6b0157d3
+def record_rate(
+    path,
+    run_id: str,
+    phase: str,  # generate, extract, train
+    tokens: int,  # tokens the phase produced or read (generate: output tokens; extract: forward tokens)
+    seconds: float,  # wall time they took
+    samples: int = None,
+    gpus: int = None,  # GPUs the phase held (servers x TP, or nodes x GPUs)
+    detail: dict = None,  # anything else measured (endpoints, concurrency, modes)
+    timeout: float = None,
+):
+    "Insert or replace what `phase` of run `run_id` measured; `tok_per_s` is derived"
+    rate = tokens / seconds if seconds else None
+    sql = """INSERT OR REPLACE INTO rates VALUES ($run_id, $phase, $tokens, $samples, $seconds, $rate, $gpus, $detail, now())"""
+    args = dict(
+        run_id=run_id,
+        phase=phase,
+        tokens=tokens,
+        samples=samples,
+        seconds=seconds,
+        rate=rate,
+        gpus=gpus,
+        detail=json.dumps(detail) if detail is not None else None,
+    )
+    with connect(path, timeout=timeout) as con:
+        con.execute(sql, args)
+
+
+def measured_rate(path, phase: str, timeout: float = None) -> dict | None:
+    "The latest measured rate of `phase` (tokens, samples, seconds, tok_per_s, gpus, run_id), or None"
+    if not Path(path).exists():
+        return None
+    df = query(
+        path, "SELECT * FROM rates WHERE phase = ? AND tok_per_s > 0 ORDER BY recorded DESC LIMIT 1", [phase], timeout
+    )
+    if not len(df):
+        return None
+    r = df.iloc[0].to_dict()
+    r['detail'] = json.loads(r['detail']) if r['detail'] else {}
+    return r
 
 # %% ../nbs/01_catalog.ipynb #0d7c894d
 def length_quantiles(

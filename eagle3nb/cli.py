@@ -54,6 +54,7 @@ _POSITIVE = (
     'max_tokens',
     'port',
     'num_speculative_tokens',
+    'tries',
 )  # counts and sizes
 
 
@@ -646,6 +647,8 @@ def _user_errors():
     from eagle3nb.catalog import CatalogLocked
     from eagle3nb.export import ExportError
     from eagle3nb.engine import EngineError
+    from eagle3nb.download import DownloadError
+    from eagle3nb.extract import NotEnoughDisk  # the preflight, and extraction stopped before the disk filled
 
     # ValueError covers RecipeError, PrepareError, BadFile (a file that does not parse: JSON, YAML, UTF-8), json's and
     # UTF-8's own errors and the phases' checks of their inputs, whose messages name the bad value and what to do;
@@ -658,6 +661,8 @@ def _user_errors():
         ModelMismatch,
         CatalogLocked,
         ExportError,
+        DownloadError,
+        NotEnoughDisk,
         FileNotFoundError,
         FileExistsError,
         ValueError,
@@ -677,6 +682,7 @@ _KEPT = dict(
     run='the phases that finished are kept in the run folder; rerun with the same --run-id to resume',
     generate='the answers received so far are kept; rerun the same command to resume',
     extract='the shards written so far are kept; rerun the same command to resume',
+    download='the files fetched so far are kept and a partial file resumes; rerun the same command',
     serve='the server is stopped; start it again with the same command',
 )
 

@@ -18,16 +18,19 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from .engine import EngineError, VllmServer, engine_info, vllm_python
 from eagle3nb.extract import (
+    MIN_FREE_GB,
     check_layer_weights,
     extraction_request,
     finish_stats,
+    flush_all,
     plan_modes,
     preflight,
     sample_tensors,
     split_rows,
+    split_stop,
     store_dirs,
 )
-from .store import ShardWriter, record_index, sync_index
+from .store import DiskLow, ShardWriter, record_index, sync_index
 from .recipe import Recipe
 from .target import target_config, text_config
 from .server import hold_lock, owned_by, reap_leftovers
@@ -379,6 +382,7 @@ def extract_engine_modes(
     own_spool: bool = False,  # the spool is ours alone (a server we launched): tidy files of no sample too
     progress: bool = True,
     trust_remote_code: bool = False,  # for the target's config (`target.trust_remote_code`)
+    min_free_gb: float = MIN_FREE_GB,  # stop (resumable) before a shard would leave less free on the stores' disk
 ) -> dict:  # mode -> the stats of `extract.extract`, plus `requests` (all modes together)
     "The engine's hidden states of `samples` into one store per mode, each sample asked once for all stores lacking it"
     cfg = SimpleNamespace(config=target_config(model_dir, trust_remote_code))  # `_plan` reads only `model.config`
@@ -389,7 +393,8 @@ def extract_engine_modes(
     spool_need = (
         concurrency * max([P['lens'][j] for j in todo], default=0) * (n_aux + 1) * P['H'] * 4
     )  # files in flight, fp32
-    pre = preflight(sinks[0]['out'], sum(k['P']['need'] for k in sinks) + spool_need)
+    reserve = int(min_free_gb * 1e9)
+    pre = preflight(sinks[0]['out'], sum(k['P']['need'] for k in sinks) + spool_need, reserve=reserve)
     norm_w, eps = final_norm(model_dir)
     for k in sinks:
         k['w_draft'] = (
@@ -397,7 +402,8 @@ def extract_engine_modes(
         )  # (Vd, H)
         if catalog:
             sync_index(catalog, k['out'])
-    return _run(client, sinks, todo, n_aux, norm_w, eps, topk, concurrency, shard_bytes, catalog, reuse, pre, progress)
+    args = (topk, concurrency, shard_bytes, catalog, reuse, pre, progress, reserve)
+    return _run(client, sinks, todo, n_aux, norm_w, eps, *args)
 
 
 def extract_engine(
@@ -417,6 +423,7 @@ def extract_engine(
     own_spool: bool = False,
     progress: bool = True,
     trust_remote_code: bool = False,
+    min_free_gb: float = MIN_FREE_GB,
 ) -> dict:  # the same stats as `extract.extract`
     "The engine's hidden states of `samples` into `out_dir` (one mode), resuming where a previous run stopped"
     return extract_engine_modes(
@@ -435,10 +442,13 @@ def extract_engine(
         own_spool,
         progress,
         trust_remote_code,
+        min_free_gb,
     )[mode]
 
 # %% ../nbs/52_engine_extract.ipynb #79aaed78
-def _run(client, sinks, todo, n_aux, norm_w, eps, topk, concurrency, shard_bytes, catalog, reuse, pre, progress):
+def _run(
+    client, sinks, todo, n_aux, norm_w, eps, topk, concurrency, shard_bytes, catalog, reuse, pre, progress, reserve
+):
     "The request loop of `extract_engine_modes`: each sample of `todo` asked once, stored by every sink lacking it"
     from tqdm.auto import tqdm
 
@@ -455,7 +465,7 @@ def _run(client, sinks, todo, n_aux, norm_w, eps, topk, concurrency, shard_bytes
                     drop_spool(p)
             k['held'].clear()
 
-        return ShardWriter(k['out'], k['P']['meta'], shard_bytes, prefix='r000', on_shard=on_shard)
+        return ShardWriter(k['out'], k['P']['meta'], shard_bytes, prefix='r000', on_shard=on_shard, reserve=reserve)
 
     for k in sinks:
         k.update(
@@ -479,6 +489,7 @@ def _run(client, sinks, todo, n_aux, norm_w, eps, topk, concurrency, shard_bytes
         mininterval=0.5,
     )
     fetch, it, live, t0 = _fetcher(client, reuse, n_aux + 1), iter(todo), {}, time.perf_counter()
+    stop, fwd = None, dict(samples=0, tokens=0)
     try:
         with ThreadPoolExecutor(concurrency) as ex:
             try:
@@ -500,18 +511,21 @@ def _run(client, sinks, todo, n_aux, norm_w, eps, topk, concurrency, shard_bytes
                             )
                             k['st']['samples'] += 1
                             k['st']['tokens'] += len(a)
+                        fwd['samples'], fwd['tokens'] = fwd['samples'] + 1, fwd['tokens'] + len(a)
                         bar.update(len(a))
+            except DiskLow as e:  # the next shard would cross the reserve: stop; requests in flight finish
+                ex.shutdown(cancel_futures=True)  # their spool files stay, for the rerun to use
+                stop = e
             except BaseException:
                 ex.shutdown(cancel_futures=True)
                 raise
-    finally:  # what arrived whole is kept
-        for k in sinks:
-            k['wr'].flush()
+    finally:  # what arrived whole is kept (each store checking its room)
+        stop = flush_all(sinks, stop)
         bar.close()
     secs = time.perf_counter() - t0
     for k in sinks:
         k['st'].update(forward_s=secs, requests=client.n - n0)
-    return finish_stats(sinks, secs)
+    return finish_stats(sinks, secs, fwd, stop)
 
 # %% ../nbs/52_engine_extract.ipynb #c9b31631
 def extraction_endpoint(
@@ -569,6 +583,7 @@ def extract_context_engine(
     dtype: str = '',  # local launch: --dtype; default float32 on the CPU build, auto on GPUs
     progress: bool = True,
     log=print,
+    min_free_gb: float = MIN_FREE_GB,  # stop (resumable) before a shard would leave less free on the stores' disk
 ) -> list:  # one `extract_recipe` row per mode and split
     "Extract every corpus split of `ctx`'s recipe in every mode through a vLLM server; validate each store"
     r, ph = ctx.recipe, ctx.phase_params('extract')
@@ -588,7 +603,7 @@ def extract_context_engine(
         urls, model, key, sp, own = extraction_endpoint(ctx, layers, spool or ph.get('spool', ''), max_len, dtype, log)
         client = EngineClient(urls, model, sp, api_key=key, concurrency=conc)
         kw = dict(catalog=r.catalog, target=req['target'], template_sha256=req['template_sha256'], own_spool=own)
-        kw.update(trust_remote_code=r.target.trust_remote_code)
+        kw.update(trust_remote_code=r.target.trust_remote_code, min_free_gb=min_free_gb)
         for s, ds in req['corpora'].items():  # every mode of a split from one pass: one request per sample
             sts = extract_engine_modes(
                 client,
@@ -603,18 +618,21 @@ def extract_context_engine(
                 progress=progress,
                 **kw,
             )
+            stop = split_stop(req, sts, log)
             rows += split_rows(req, s, ds, sts)
             for mode, st in sts.items():
                 log(
                     f'vllm: {mode}/{s}: {st["samples"]} new samples, {st["tokens"]} tokens, '
                     f'{st["tokens_per_s"]:.0f} tokens/s, {st["requests"]} engine requests{also}'
                 )
+            if stop:
+                break  # the next split needs the same disk
     return sorted(rows, key=lambda x: req['modes'].index(x['mode']))  # mode by mode, as the HF path lists them
 
 # %% ../nbs/52_engine_extract.ipynb #31644b7c
 def extract_recipe_engine(
     recipe,  # recipe YAML path or resolved `Recipe`
-    **kw,  # `extract_context_engine`'s: modes, splits, topk, shard_mb, concurrency, spool, dtype, progress, log
+    **kw,  # `extract_context_engine`'s: modes, splits, ..., dtype, progress, log, min_free_gb
 ) -> list:  # one `extract_recipe` row per mode and split
     "`extract_context_engine` in a run context of its own for `recipe`"
     from eagle3nb.phase import RunContext

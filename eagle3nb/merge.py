@@ -88,9 +88,13 @@ def scan(ds, batch_size: int = 1024) -> pd.DataFrame:  # one row per input row
 def eligibility(
     m: pd.DataFrame,  # from `scan`
     excluded: dict = None,  # sample_id -> exclusion reason (the catalog's excluded partition)
+    generated=None,  # bool per row of `m`: it came from a generated input (the target's answers)
 ) -> pd.Series:  # None for eligible rows, else the reason
     "Why each row is left out of the corpus before the mix, None where it is not"
     ex = excluded or {}
+    gen = pd.Series(False, index=m.index) if generated is None else pd.Series(list(generated), index=m.index)
+    answered = set(m.conversation_id[gen & ~m.prompt_only.astype(bool)])
+    new_ids = set(m.sample_id[gen])
     why = pd.Series([None] * len(m), index=m.index, dtype=object)
 
     def mark(cond, reason):
@@ -98,6 +102,8 @@ def eligibility(
 
     mark(m.prompt_only.astype(bool), 'prompt_only: not generated')
     mark(m.sample_id.isin(list(ex)), m.sample_id.map(lambda s: f'excluded partition: {ex.get(s)}'))
+    recorded = ~gen & m.conversation_id.isin(answered) & ~m.sample_id.isin(new_ids)  # same id: replaced below
+    mark(recorded, "replaced by the target's answers")
     mark(m.supervised == 0, 'no supervised tokens')
     ok = why.isna()
     mark(m.sample_id.where(ok).duplicated(keep='last') & ok, 'replaced by a later source')
@@ -192,6 +198,7 @@ def _report(m: pd.DataFrame, why: pd.Series, drawn: pd.Series, split_of: pd.Seri
             excluded=cnt(g, 'excluded partition'),
             no_supervised=cnt(g, 'no supervised tokens'),
             replaced=cnt(g, 'replaced by a later source'),
+            regenerated=cnt(g, "replaced by the target's answers"),
             duplicates=cnt(g, 'duplicate'),
             not_sampled=cnt(g, 'not sampled by mix'),
             sampled=int(g.drawn.sum()),
@@ -215,7 +222,7 @@ def _dup_pairs(m: pd.DataFrame, why: pd.Series) -> dict:  # 'dataset <- first da
 
 # %% ../nbs/40_merge.ipynb #593a1ef8
 def merge_corpus(
-    sources,  # merge inputs, oldest first: Datasets, or a dict label -> Dataset
+    sources,  # merge inputs, oldest first: Datasets, or a dict label -> Dataset ('generated:<name>': the target's)
     mix: dict = None,  # dataset -> count (int) or ratio (float in [0, 1]); unnamed datasets: all
     eval_fraction: float = 0.02,  # share of the drawn samples held out, whole conversations
     seed: int = 0,  # mix draw and shuffle
@@ -232,7 +239,9 @@ def merge_corpus(
         else Dataset.from_dict({k: [] for k in corpus_features(True)}, features=corpus_features(True))
     )
     m = scan(ds, batch_size)
-    why = eligibility(m, excluded)
+    labels = list(sources) if isinstance(sources, dict) else [''] * len(srcs)
+    gen = np.concatenate([[str(k).startswith('generated:')] * len(s) for k, s in zip(labels, srcs)] or [[]])
+    why = eligibility(m, excluded, gen.astype(bool))
     drawn = draw(m, why, mix, seed)
     tr, ev = split(m, drawn, eval_fraction, seed)
     split_of = pd.Series('', index=m.index, dtype=object)

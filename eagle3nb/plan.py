@@ -4,9 +4,10 @@
 
 # %% auto #0
 __all__ = ['PHASE_DEFAULTS', 'PlanParams', 'plan_params', 'non_default', 'phase_params', 'target_dims', 'catalog_groups',
-           'estimate_group', 'response_tokens', 'gen_seconds', 'free_disk', 'partitions', 'fmt_n', 'fmt_bytes',
-           'fmt_secs', 'md_table', 'commands', 'summary', 'plan_facts', 'plan_markdown', 'plan_version',
-           'next_plan_path', 'write_plan', 'plan_cli', 'plot_tokens', 'plot_disk']
+           'policy_of', 'estimate_group', 'response_tokens', 'regen_cost', 'gen_seconds', 'free_disk', 'partitions',
+           'categories', 'disk_space', 'rates', 'gpu_hours', 'goal', 'fmt_n', 'fmt_bytes', 'fmt_secs', 'md_table',
+           'commands', 'summary', 'plan_facts', 'plan_markdown', 'plan_version', 'next_plan_path', 'write_plan',
+           'plan_cli', 'plot_tokens', 'plot_disk']
 
 # %% ../nbs/90_plan.ipynb #5f89e838
 import datetime, json, math, os, re, shutil
@@ -23,10 +24,14 @@ class PlanParams(Params):
     "The plan's stated assumptions; the document prints each with its value and its description"
 
     gen_tok_s: float = Field(5_000.0, description='output tokens/s of the generation fleet, all endpoints together')
-    extract_tok_s: float = Field(10_000.0, description='target forward tokens/s per node')
+    gen_gpus: int = Field(0, description='GPUs of the generation fleet; 0: endpoints x gpus_per_target')
+    extract_tok_s: float = Field(10_000.0, description='target forward tokens/s per node (extract engine hf)')
     extract_nodes: int = Field(1, description='nodes extracting at once')
     extract_engine_tok_s: float = Field(15_000.0, description='tokens/s of one TP-8 vLLM node (extract --engine vllm)')
-    gpus_per_target: int = Field(1, description='GPUs one copy of the target spans (8: device_map auto over a node)')
+    extract_samples_s: float = Field(
+        0.0, description='extraction samples/s of all nodes, where it was measured that way; 0: from tokens/s'
+    )
+    gpus_per_target: int = Field(1, description='GPUs one copy of the target spans (8: TP 8 or device_map auto)')
     train_tok_s: float = Field(20_000.0, description='draft training tokens/s per GPU')
     gpus: int = Field(8, description='training GPUs, all nodes together')
     gpus_per_node: int = Field(8, description='GPUs per node (torchrun --nproc_per_node)')
@@ -34,12 +39,30 @@ class PlanParams(Params):
     modes: str = Field('bf16,compact', description='storage modes to size on disk')
     mean_tokens: int = Field(2_000, description='tokens per sample of a dataset not in the catalog yet')
     dataset_tokens: dict = Field({}, description='per-dataset mean_tokens as dataset name -> tokens')
+    dataset_turns: dict = Field(
+        {}, description='per-dataset assistant turns per conversation (policies turns, prefix) as name -> n; default 1'
+    )
+    dataset_response_tokens: dict = Field({}, description="per-dataset tokens of one of the target's answers")
     prompt_tokens: int = Field(300, description='prompt tokens per prompt-only sample not in the catalog yet')
     response_tokens: int = Field(2_000, description='tokens per generated response')
+    prompt_share: float = Field(
+        0.5, description="share of a recorded chat's tokens that are not the answers regeneration replaces"
+    )
+    dataset_prompt_tokens: dict = Field(
+        {}, description='per-dataset tokens a regenerated chat keeps (its prompts), as name -> tokens; default by share'
+    )
     hidden_size: int = Field(0, description="target H; 0 reads the target's config.json")
     num_hidden_layers: int = Field(0, description='target depth N; 0 reads config.json')
     vocab_size: int = Field(0, description='target vocabulary; 0 reads config.json')
-    disk_margin: float = Field(1.1, description="free bytes wanted per planned byte (extract's preflight: 1.1)")
+    disk_tb: float = Field(
+        0.0, description='size of the disk hidden/ goes to, TB (decimal); 0: the free space measured here'
+    )
+    disk_margin: float = Field(1.1, description='disk bytes wanted per planned byte (the headroom rule)')
+    stated_gb_per_1k: float = Field(0.0, description='your own hidden-state GB per 1,000 samples, shown beside ours')
+    baseline_tok_s: float = Field(0.0, description='served output tok/s of the target alone today (0: not stated)')
+    spec_tok_s: float = Field(0.0, description='served output tok/s with the best draft so far, same load (0: none)')
+    spec_accept: float = Field(0.0, description="that draft's accept length (0: none)")
+    version: int = Field(0, description='the first plan version to write (5 after your train_plan_v4.md); 0: next')
     run_id: str = Field('', description='papermill_runs/<run_id>/ in the commands; empty means <recipe>-v<N>')
 
 # %% ../nbs/90_plan.ipynb #2ba496fb
@@ -64,12 +87,13 @@ def non_default(**kw) -> dict:
 # %% ../nbs/90_plan.ipynb #4e9785c6
 PHASE_DEFAULTS = dict(
     catalog=dict(max_ctx=10240, max_new_tokens=2048, long_ctx=32768, c_main=192, c_long=16),  # catalog.partition's
-    generate={k: GEN_DEFAULTS[k] for k in ('mode', 'kinds', 'max_new_tokens', 'c_main', 'c_long')},
+    generate={k: GEN_DEFAULTS[k] for k in ('mode', 'kinds', 'max_new_tokens', 'c_main', 'c_long', 'max_turns')},
     merge=dict(eval_fraction=0.02),
     vocab=dict(draft_vocab=32_000),
-    extract=dict(modes='bf16', topk=64),  # modes '' means bf16 for a recipe
+    extract=dict(modes='bf16', topk=64, engine='hf'),  # modes '' means bf16 for a recipe
     train=dict(max_steps=10_000, batch_size=1),  # 0 means these for a recipe
     export=dict(tp=1, num_steps=3, topk=1),  # the export phase's: its launch commands
+    verify=dict(min_accept=0.0),  # the goal: verify fails below it
 )
 
 
@@ -112,7 +136,8 @@ def target_dims(r: Recipe, p: PlanParams) -> dict:
 
 # %% ../nbs/90_plan.ipynb #4c68f103
 _GROUPS_SQL = """SELECT dataset, partition, kind, count(*)::BIGINT AS samples, sum(total_tokens)::BIGINT AS tokens,
-  sum(prompt_tokens)::BIGINT AS prompt_tokens, sum(completion_tokens)::BIGINT AS supervised
+  sum(prompt_tokens)::BIGINT AS prompt_tokens, sum(completion_tokens)::BIGINT AS supervised,
+  sum(greatest(n_events, 1))::BIGINT AS events
 FROM samples WHERE list_contains(?, dataset) GROUP BY ALL ORDER BY ALL"""
 _STATS_SQL = """SELECT dataset, count(DISTINCT conversation_id)::BIGINT AS conversations, avg(total_tokens) AS mean,
   quantile_disc(total_tokens, 0.5) AS p50, quantile_disc(total_tokens, 0.9) AS p90, max(total_tokens) AS max
@@ -142,27 +167,59 @@ def _part(budget: float, cat: dict) -> str:
     return 'long' if budget <= cat['long_ctx'] and cat['c_long'] > 0 else 'excluded'
 
 
+def policy_of(ds, gen_kinds) -> str:
+    "How the generate phase answers dataset `ds`: once, turns, prefix, keep, or off (its kind is not generated)"
+    from eagle3nb.generate import regen_policy
+
+    pol = regen_policy(ds)
+    return pol if pol == 'keep' or _kind(ds) in gen_kinds else 'off'
+
+
 def estimate_group(ds, p: PlanParams, cat: dict, gen_kinds) -> dict:
     "The one estimated (dataset, partition, kind) row of a dataset not in the catalog"
-    n, kind = ds.count or 0, _kind(ds)
-    gen = kind in gen_kinds
-    mean = p.prompt_tokens if gen else p.dataset_tokens.get(ds.name, p.mean_tokens)
-    part = _part(mean + (cat['max_new_tokens'] if gen else 0), cat)
+    n, kind, pol = ds.count or 0, _kind(ds), policy_of(ds, gen_kinds)
+    once = kind == 'prompt_only'
+    mean = p.prompt_tokens if once else p.dataset_tokens.get(ds.name, p.mean_tokens)
+    budget = mean + (cat['max_new_tokens'] if once and pol == 'once' else 0)
     return dict(
         dataset=ds.name,
-        partition=part,
+        partition=_part(budget, cat),
         kind=kind,
         samples=n,
         tokens=n * mean,
-        prompt_tokens=n * mean if gen else None,
+        prompt_tokens=n * mean if once else None,
         supervised=None,
+        events=n * p.dataset_turns.get(ds.name, 1),
+        policy=pol,
     )
 
 # %% ../nbs/90_plan.ipynb #65ef0e07
-def response_tokens(p: PlanParams, ctx: int, mean_prompt: float, max_new_tokens: int = 0) -> int:
+def response_tokens(p: PlanParams, ctx: int, mean_prompt: float, max_new_tokens: int = 0, name: str = None) -> int:
     "Assumed tokens of one response in a partition of context `ctx`"
     cap = max_new_tokens or max(ctx - mean_prompt, 0)
-    return int(min(p.response_tokens, cap))
+    return int(min(p.dataset_response_tokens.get(name, p.response_tokens), cap))
+
+
+def regen_cost(
+    policy: str,  # once, turns, prefix, keep or off
+    n: int,  # samples of the group
+    tokens: int,  # their tokens as recorded (prompts only, for once)
+    events: int,  # their assistant turns
+    answer: int,  # tokens of one answer
+    share: float = 0.5,  # `prompt_share`
+    max_turns: int = 0,  # prefix: turns answered per sample at most; 0: all
+) -> dict:  # requests, response_tokens, stored samples, extract_tokens
+    "What one group costs the generate phase, and what of it reaches the hidden-state store"
+    if policy == 'once':
+        return dict(requests=n, response_tokens=n * answer, stored=n, extract_tokens=tokens + n * answer)
+    if policy == 'turns':
+        resp = events * answer
+        return dict(requests=events, response_tokens=resp, stored=n, extract_tokens=round(tokens * share) + resp)
+    if policy == 'prefix':
+        t = min(events, n * max_turns) if max_turns else events
+        mean = tokens / n if n else 0
+        return dict(requests=t, response_tokens=t * answer, stored=t, extract_tokens=round(t * (mean / 2 + answer)))
+    return dict(requests=0, response_tokens=0, stored=n, extract_tokens=tokens)
 
 
 def gen_seconds(resp: dict, conc: dict, gen_tok_s: float) -> float:  # resp, conc: {partition: tokens / concurrency}
@@ -190,27 +247,48 @@ def _groups(r: Recipe, p: PlanParams, cat: dict, gen_kinds) -> tuple:  # groups,
     g, st = catalog_groups(r.catalog, names)
     have = set(g.dataset) if len(g) else set()
     est = [estimate_group(d, p, cat, gen_kinds) for d in r.datasets if d.name not in have]
+    cols = ['dataset', 'partition', 'kind', 'samples', 'tokens', 'prompt_tokens', 'supervised', 'events', 'policy']
     g = (
         pd.concat([x for x in (g, pd.DataFrame(est)) if len(x)], ignore_index=True)
         if (len(g) or est)
-        else pd.DataFrame(columns=['dataset', 'partition', 'kind', 'samples', 'tokens', 'prompt_tokens', 'supervised'])
+        else pd.DataFrame(columns=cols)
     )
-    g[['samples', 'tokens']] = g[['samples', 'tokens']].fillna(0).astype('int64')
+    if 'policy' not in g:
+        g['policy'] = None
+    pol = {d.name: policy_of(d, gen_kinds) for d in r.datasets}
+    g['policy'] = g.policy.fillna(g.dataset.map(pol))  # catalog rows: the dataset's policy
+    pol_kind = g.kind == 'prompt_only'
+    g.loc[~pol_kind & (g.policy == 'once'), 'policy'] = 'turns'  # `once` on a full sample: its one turn
+    g.loc[pol_kind & g.policy.isin(['turns', 'prefix']), 'policy'] = 'once'  # a prompt has no turns yet
+    g['events'] = g.events.fillna(g.samples)
+    g[['samples', 'tokens', 'events']] = g[['samples', 'tokens', 'events']].fillna(0).astype('int64')
     g['part'] = g.partition.fillna('main')  # not partitioned yet: counted as main
     return g, st, have
 
 # %% ../nbs/90_plan.ipynb #70ca4e68
 def _add_generation(g, p: PlanParams, parts: dict, gen: dict):
-    import pandas as pd
-
-    g['generated'] = g.kind.isin(gen['kinds']) & (g.part != 'excluded')
-    mp = (g.prompt_tokens.astype(float) / g.samples.clip(lower=1)).fillna(0)
-    per = [
-        response_tokens(p, parts.get(pt, parts['main'])['ctx'], m, gen['max_new_tokens']) for pt, m in zip(g.part, mp)
-    ]
-    g['response_tokens'] = (g.generated * g.samples * pd.Series(per, index=g.index)).astype('int64')
-    grows = g.generated & (g.kind == 'prompt_only')
-    g['extract_tokens'] = g.tokens.where(g.part != 'excluded', 0).astype('int64') + g.response_tokens.where(grows, 0)
+    g['generated'] = g.policy.isin(['once', 'turns', 'prefix']) & (g.part != 'excluded')
+    rows = []
+    for x in g.itertuples():
+        mean = (x.prompt_tokens if x.policy == 'once' else x.tokens) / max(x.samples, 1)
+        share = p.dataset_prompt_tokens[x.dataset] / mean if x.dataset in p.dataset_prompt_tokens and mean else None
+        share = min(share, 1.0) if share is not None else p.prompt_share
+        prompt = mean if x.policy == 'once' else mean * (share if x.policy == 'turns' else 0.5)
+        ctx = parts.get(x.part, parts['main'])['ctx']
+        answer = response_tokens(p, ctx, prompt, gen['max_new_tokens'], x.dataset)
+        c = regen_cost(
+            x.policy if x.generated else 'keep',
+            x.samples,
+            int(x.prompt_tokens) if x.policy == 'once' and x.generated else x.tokens,
+            x.events,
+            answer,
+            share,
+            gen.get('max_turns') or 0,
+        )
+        rows.append({k: v if x.part != 'excluded' else 0 for k, v in c.items()})
+    for k in ('requests', 'response_tokens', 'stored', 'extract_tokens'):
+        g[k] = [int(r[k]) for r in rows] if rows else []
+        g[k] = g[k].astype('int64')
     return g
 
 # %% ../nbs/90_plan.ipynb #33795254
@@ -244,8 +322,11 @@ def _dataset_rows(r: Recipe, g, st, have: set) -> list:  # g, st: `catalog_group
                 name=d.name,
                 format=d.format,
                 kind=_kind(d),
+                category=d.category or '–',
+                policy=', '.join(sorted(set(x.policy))) if len(x) else '–',
                 license=d.license,
                 path=d.path,
+                repo=f'{d.repo}@{d.revision}' if d.repo else '–',
                 count=d.count,
                 source='catalog'
                 if d.name in have
@@ -268,20 +349,43 @@ def _dataset_rows(r: Recipe, g, st, have: set) -> list:  # g, st: `catalog_group
                 excluded=n(x.partition == 'excluded'),
                 unpartitioned=n(x.partition.isna()),
                 generated=n(x.generated),
+                requests=int(x.requests.sum()),
+                stored=int(x.stored.sum()),
                 response_tokens=int(x.response_tokens.sum()),
                 extract_tokens=int(x.extract_tokens.sum()),
             )
         )
     return rows
 
+
+def categories(rows: list) -> list:  # one dict per category: category, datasets, samples, share, generated
+    "The mix by category (the datasets' `category`), as shares of the samples"
+    tot = sum(d['samples'] for d in rows) or 1
+    out = {}
+    for d in rows:
+        c = out.setdefault(d['category'], dict(category=d['category'], datasets=[], samples=0, generated=0))
+        c['datasets'].append(d['name'])
+        c['samples'] += d['samples']
+        c['generated'] += d['generated']
+    res = sorted(out.values(), key=lambda c: -c['samples'])
+    return [dict(c, datasets=', '.join(c['datasets']), share=f"{100 * c['samples'] / tot:.1f}%") for c in res]
+
 # %% ../nbs/90_plan.ipynb #b6359f4b
+def disk_space(r: Recipe, p: PlanParams) -> tuple:  # (where, bytes, how it was known)
+    "The extraction disk: `disk_tb` when the plan states it, else the free space measured where hidden/ goes"
+    if p.disk_tb:
+        return f'the {p.disk_tb:g} TB disk of phases.plan.disk_tb', p.disk_tb * 1e12, 'stated'
+    where, free = free_disk(Path(r.data_root) / 'hidden')
+    return where, free, 'free here'
+
+
 def _hidden(r: Recipe, p: PlanParams, dims: dict, tokens: int, samples: int) -> dict:
     from eagle3nb.store import bytes_per_token
 
     ex, vc = phase_params(r, 'extract'), phase_params(r, 'vocab')
     planned = [m.strip() for m in ex['modes'].split(',') if m.strip()]
     sized = list(dict.fromkeys([m.strip() for m in p.modes.split(',') if m.strip()] + planned))
-    where, free = free_disk(Path(r.data_root) / 'hidden')
+    where, space, how = disk_space(r, p)
     n_aux, vd = len(dims['aux_layers']), min(vc['draft_vocab'], dims['vocab_size'])
     modes = {}
     for m in sized:
@@ -291,32 +395,79 @@ def _hidden(r: Recipe, p: PlanParams, dims: dict, tokens: int, samples: int) -> 
             bytes_per_token=bpt,
             bytes=b,
             bytes_per_sample=b / samples if samples else None,
-            fits=b * p.disk_margin <= free,
+            per_1k=1000 * b / samples if samples else None,
+            fits=b * p.disk_margin <= space,
             planned=m in planned,
         )
     need = sum(v['bytes'] for v in modes.values() if v['planned'])
+    fits = need * p.disk_margin <= space
+    choice = planned if fits else [next((m for m, v in modes.items() if v['fits']), None)]
+    bf16 = bytes_per_token('bf16', dims['hidden_size'], n_aux)
     return dict(
         tokens=tokens,
         samples=samples,
         modes=modes,
         planned=planned,
         need_bytes=need,
-        free_bytes=free,
+        free_bytes=space,
         free_at=where,
-        fits=need * p.disk_margin <= free,
+        disk_source=how,
+        disk=where if how == 'stated' else f'{fmt_bytes(space)} free at {where}',
+        headroom_bytes=space - need,
+        fits=fits,
+        choice=[m for m in choice if m],
         topk=ex['topk'],
         draft_vocab=vd,
+        tokens_per_sample=tokens / samples if samples else None,
+        stated_per_1k=p.stated_gb_per_1k * 1e9 or None,
+        stated_tokens_per_sample=p.stated_gb_per_1k * 1e9 / 1000 / bf16 if p.stated_gb_per_1k else None,
     )
 
 # %% ../nbs/90_plan.ipynb #b1c583e7
-def _times(r: Recipe, p: PlanParams, hid: dict) -> tuple:  # extract, train dicts
-    n_modes = len(hid['planned'])
+def rates(r: Recipe, p: PlanParams) -> dict:  # phase -> dict(tok_s, source, measured)
+    "The generate and extract throughputs the plan uses: measured in the catalog where a run recorded them"
+    from eagle3nb.catalog import measured_rate
+
+    ex = phase_params(r, 'extract')
+    stated = dict(
+        generate=(p.gen_tok_s, 'stated: phases.plan.gen_tok_s (all endpoints)'),
+        extract=(p.extract_engine_tok_s, 'stated: phases.plan.extract_engine_tok_s (per node)')
+        if ex['engine'] == 'vllm'
+        else (p.extract_tok_s, 'stated: phases.plan.extract_tok_s (per node)'),
+    )
+    out = {}
+    for ph, (v, src) in stated.items():
+        m = measured_rate(r.catalog, ph)
+        if m is None:
+            out[ph] = dict(tok_s=v, source=src, measured=False)
+            continue
+        dt = m['detail'] or {}
+        fleet = m['tok_per_s'] * dt.get('world', 1)  # under torchrun rank 0 records its own share
+        per = fleet / max(1, dt.get('nodes', 1)) if ph == 'extract' else m['tok_per_s']
+        src = f"measured: run {m['run_id']}, {fmt_n(m['tokens'])} tokens in {fmt_secs(m['seconds'])}"
+        out[ph] = dict(tok_s=per, source=src + (' (per node)' if ph == 'extract' else ''), measured=True)
+    return out
+
+
+def _times(r: Recipe, p: PlanParams, hid: dict, rt: dict) -> tuple:  # extract, train dicts
+    n_modes, nodes = len(hid['planned']), p.extract_nodes
+    toks, eng = hid['tokens'] * n_modes, phase_params(r, 'extract')['engine']
+    per_sample = p.extract_samples_s and not rt['extract']['measured']
     ext = dict(
-        tokens=hid['tokens'] * n_modes,
+        tokens=toks,
         modes=hid['planned'],
-        nodes=p.extract_nodes,
-        seconds=hid['tokens'] * n_modes / (p.extract_tok_s * p.extract_nodes),
-        engine_seconds=hid['tokens'] * n_modes / (p.extract_engine_tok_s * p.extract_nodes),
+        nodes=nodes,
+        engine=eng,
+        tok_s=rt['extract']['tok_s'],
+        source=f'stated: phases.plan.extract_samples_s = {p.extract_samples_s:g}'
+        if per_sample
+        else rt['extract']['source'],
+        seconds=hid['samples'] * n_modes / p.extract_samples_s
+        if per_sample
+        else toks / (rt['extract']['tok_s'] * nodes),
+        hf_seconds=toks / (p.extract_tok_s * nodes),
+        engine_seconds=toks / (p.extract_engine_tok_s * nodes),
+        gpus=nodes * p.gpus_per_node,
     )
     tr = phase_params(r, 'train')
     ef = phase_params(r, 'merge')['eval_fraction']
@@ -336,6 +487,19 @@ def _times(r: Recipe, p: PlanParams, hid: dict) -> tuple:  # extract, train dict
     )
     return ext, train
 
+
+def gpu_hours(f: dict) -> list:  # one dict per GPU phase: phase, wall, gpus, gpu_hours
+    "Wall time and GPU-hours of generation, extraction and training, and their sum (one after the other)"
+    g, e, t = f['generation'], f['extract'], f['train']
+    rows = [
+        dict(phase='generate', seconds=g['seconds'], gpus=g['gpus']),
+        dict(phase='extract', seconds=e['seconds'], gpus=e['gpus']),
+        dict(phase='train', seconds=t['seconds'], gpus=t['gpus']),
+    ]
+    rows = [dict(x, gpu_hours=x['seconds'] * x['gpus'] / 3600) for x in rows]
+    tot = dict(phase='**total**', seconds=sum(x['seconds'] for x in rows), gpus=None)
+    return rows + [dict(tot, gpu_hours=sum(x['gpu_hours'] for x in rows))]
+
 # %% ../nbs/90_plan.ipynb #e19128ab
 def _partition_rows(g, parts: dict) -> list:
     rows = []
@@ -349,17 +513,39 @@ def _partition_rows(g, parts: dict) -> list:
                 samples=int(x.samples.sum()),
                 tokens=int(x.tokens.sum()),
                 generated=int(x.samples[x.generated].sum()),
+                requests=int(x.requests.sum()),
                 extract_tokens=int(x.extract_tokens.sum()),
             )
         )
     return rows
 
 
-def _generation(g, p: PlanParams, parts: dict, gen: dict) -> dict:
+def _policy_rows(g) -> list:
+    "One row per regeneration policy: its datasets, samples, requests, response tokens, stored samples"
+    rows = []
+    for pol in ('once', 'turns', 'prefix', 'keep', 'off'):
+        x = g[g.policy == pol]
+        if len(x):
+            rows.append(
+                dict(
+                    policy=pol,
+                    datasets=', '.join(sorted(set(x.dataset))),
+                    samples=int(x.samples.sum()),
+                    regenerated=int(x.samples[x.generated].sum()),
+                    requests=int(x.requests.sum()),
+                    response_tokens=int(x.response_tokens.sum()),
+                    stored=int(x.stored.sum()),
+                )
+            )
+    return rows
+
+
+def _generation(r: Recipe, g, p: PlanParams, parts: dict, gen: dict, rt: dict) -> dict:
     x = g[g.generated]
     per = {
         k: dict(
             samples=int(x.samples[x.part == k].sum()),
+            requests=int(x.requests[x.part == k].sum()),
             prompt_tokens=int(x.prompt_tokens[x.part == k].fillna(0).sum()),
             response_tokens=int(x.response_tokens[x.part == k].sum()),
             **parts[k],
@@ -372,11 +558,35 @@ def _generation(g, p: PlanParams, parts: dict, gen: dict) -> dict:
         kinds=list(gen['kinds']),
         mode=gen['mode'],
         max_new_tokens=gen['max_new_tokens'],
+        max_turns=gen.get('max_turns') or 0,
         partitions=per,
+        policies=_policy_rows(g),
         samples=sum(v['samples'] for v in per.values()),
+        requests=sum(v['requests'] for v in per.values()),
         response_tokens=sum(resp.values()),
-        seconds=gen_seconds(resp, conc, p.gen_tok_s),
-        gen_tok_s=p.gen_tok_s,
+        seconds=gen_seconds(resp, conc, rt['generate']['tok_s']),
+        gen_tok_s=rt['generate']['tok_s'],
+        source=rt['generate']['source'],
+        gpus=p.gen_gpus or max(1, len(r.target.endpoints)) * p.gpus_per_target,
+    )
+
+# %% ../nbs/90_plan.ipynb #c15777d6
+def goal(r: Recipe, p: PlanParams) -> dict:
+    "The verify gate, today's break-even accept length, and the speed the goal gives at today's round cost"
+    from eagle3nb.servebench import break_even
+
+    m = float(phase_params(r, 'verify')['min_accept'] or 0)
+    known = p.baseline_tok_s > 0 and p.spec_tok_s > 0 and p.spec_accept >= 1
+    be = break_even(p.baseline_tok_s, p.spec_tok_s, p.spec_accept) if known else None
+    cost = be['cost'] if be else None
+    return dict(
+        min_accept=m,
+        baseline_tok_s=p.baseline_tok_s or None,
+        spec_tok_s=p.spec_tok_s or None,
+        spec_accept=p.spec_accept or None,
+        break_even=cost,
+        speedup_at_goal=m / cost if cost and m else None,
+        tok_s_at_goal=p.baseline_tok_s * m / cost if cost and m else None,
     )
 
 # %% ../nbs/90_plan.ipynb #389472e7
@@ -590,6 +800,11 @@ def commands(r: Recipe, f: dict) -> list:  # (phase, what it does, command lines
             'the endpoints answer and render prompts as we do',
             key + _serve_cmds(r, f) + [run('target_check')],
         ),
+        (
+            'download',
+            'each Hub dataset at its revision into raw/<name>/ (resumable; sha256 and commit in the catalog)',
+            [f'eagle3nb download {R}', f'# or: {run("download")}'],
+        ),
         *_prep_cmds(r, f, run),
         ('render', "conversations -> token ids and loss masks in the target's template", [run('render')]),
         ('catalog', 'every sample in the catalog, partitioned by length', [run('catalog')]),
@@ -666,6 +881,7 @@ def summary(f: dict) -> dict:
     t, g, h, e, tr, p = f['target'], f['generation'], f['hidden'], f['extract'], f['train'], f['params']
     n_cat, n_est = (sum(d['source'] == s for d in f['datasets']) for s in ('catalog', 'estimate'))
     parts = ' · '.join(f"{x['partition']} {fmt_n(x['samples'])}" for x in f['partitions'])
+    n_samples = sum(d['samples'] for d in f['datasets'])
     s = {
         'recipe': f"{f['recipe']} ({f['recipe_path']})",
         'plan': f"v{f['version'] or '?'}, {f['date']}, run id {f['run_id']}",
@@ -682,25 +898,39 @@ def summary(f: dict) -> dict:
             if len(f['datasets']) > n_cat + n_est
             else ')'
         ),
-        'samples, tokens (before generation)': f"{fmt_n(sum(d['samples'] for d in f['datasets']))} samples, "
+        'samples, tokens (before generation)': f"{fmt_n(n_samples)} samples, "
         f"{fmt_n(sum(d['tokens'] for d in f['datasets']))} tokens",
+        'mix': ' · '.join(f"{c['category']} {c['share']}" for c in f['categories']),
         'partitions (samples)': parts,
-        'generation': f"{fmt_n(g['samples'])} samples, {fmt_n(g['response_tokens'])} response tokens: "
-        f"~{fmt_secs(g['seconds'])} at {fmt_n(g['gen_tok_s'])} tok/s",
-        'hidden-state tokens': f"{fmt_n(h['tokens'])} tokens in {fmt_n(h['samples'])} samples",
+        'regenerated by the target': f"{fmt_n(g['samples'])} of {fmt_n(n_samples)} samples: "
+        + ', '.join(f"{x['policy']} {fmt_n(x['regenerated'])}" for x in g['policies'] if x['regenerated'])
+        + f"; kept as they are: {fmt_n(n_samples - g['samples'])}",
+        'generation': f"{fmt_n(g['requests'])} requests, {fmt_n(g['response_tokens'])} response tokens: "
+        f"~{fmt_secs(g['seconds'])} at {fmt_n(g['gen_tok_s'])} tok/s ({g['source'].split(':')[0]})",
+        'hidden-state tokens': f"{fmt_n(h['tokens'])} tokens in {fmt_n(h['samples'])} samples "
+        f"({fmt_n(h['tokens_per_sample'])} a sample)",
     }
     for m, v in h['modes'].items():
         fit = 'fits' if v['fits'] else '**does not fit**'
         s[f'disk, {m}' + (' (planned)' if v['planned'] else '')] = (
-            f"{fmt_bytes(v['bytes'])} ({fmt_n(v['bytes_per_token'])} B/token): "
-            f"{fit} in {fmt_bytes(h['free_bytes'])} free at {h['free_at']}"
+            f"{fmt_bytes(v['bytes'])} ({fmt_n(v['bytes_per_token'])} B/token, {fmt_bytes(v['per_1k'])} per 1K "
+            f"samples): {fit} on {h['disk']} (x {p['disk_margin']})"
         )
+    if h['stated_per_1k']:
+        s['disk, yours'] = (
+            f"{fmt_bytes(h['stated_per_1k'])} per 1K samples = {fmt_n(h['stated_tokens_per_sample'])} tokens a "
+            f"sample at bf16; ours {fmt_n(h['tokens_per_sample'])}"
+        )
+    s['storage'] = f"extract {'+'.join(h['choice'])}: " + (
+        'the recipe\'s modes fit'
+        if h['fits']
+        else '**set phases.extract.modes: ' + ','.join(h['choice']) + '**'
+        if h['choice']
+        else '**no mode fits: a bigger disk or fewer tokens**'
+    )
     s['extraction'] = (
         f"~{fmt_secs(e['seconds'])}: {fmt_n(e['tokens'])} forward tokens ({'+'.join(e['modes'])}) on "
-        f"{e['nodes']} node(s) at {fmt_n(p['extract_tok_s'])} tok/s"
-    )
-    s['extraction through vLLM'] = (
-        f"~{fmt_secs(e['engine_seconds'])} at {fmt_n(p['extract_engine_tok_s'])} tok/s per TP-8 node (`--engine vllm`)"
+        f"{e['nodes']} node(s), engine {e['engine']} ({e['source'].split(':')[0]})"
     )
     s['training'] = (
         f"~{fmt_secs(tr['seconds'])}: {fmt_n(tr['epochs'])} epochs of {fmt_n(tr['train_tokens'])} tokens "
@@ -708,6 +938,24 @@ def summary(f: dict) -> dict:
         f"at {fmt_n(p['train_tok_s'])} tok/s each; max_steps {fmt_n(tr['steps_for_epochs'])} for that "
         f"(the recipe's {fmt_n(tr['max_steps'])} make {fmt_n(tr['epochs_of_max_steps'])} epochs)"
     )
+    gh = f['gpu_hours'][-1]
+    s['wall time, GPU-hours'] = (
+        f"~{fmt_secs(gh['seconds'])}, {fmt_n(gh['gpu_hours'])} GPU-hours "
+        + '('
+        + ', '.join(f"{x['phase']} {fmt_n(x['gpu_hours'])}" for x in f['gpu_hours'][:-1])
+        + ')'
+    )
+    q = f['goal']
+    if q['min_accept'] or q['break_even']:
+        s['goal'] = (
+            (f"accept length >= {q['min_accept']:g} (phases.verify.min_accept)" if q['min_accept'] else 'no gate')
+            + (f"; break-even today {q['break_even']:.2f}" if q['break_even'] else '')
+            + (
+                f"; {q['speedup_at_goal']:.2f}x ({fmt_n(q['tok_s_at_goal'])} tok/s) at the goal"
+                if q['speedup_at_goal']
+                else ''
+            )
+        )
     return s
 
 # %% ../nbs/90_plan.ipynb #ac75e929
@@ -728,8 +976,9 @@ def plan_facts(
     )
     g = _add_generation(g, p, parts, gen)
     kept = g.part != 'excluded'
-    hid = _hidden(r, p, dims, int(g.extract_tokens.sum()), int(g.samples[kept].sum()))
-    ext, train = _times(r, p, hid)
+    hid = _hidden(r, p, dims, int(g.extract_tokens.sum()), int(g.stored[kept].sum()))
+    rt = rates(r, p)
+    ext, train = _times(r, p, hid, rt)
     f = dict(
         recipe=r.name,
         recipe_path=recipe_path or 'RECIPE',
@@ -756,14 +1005,18 @@ def plan_facts(
             merge=phase_params(r, 'merge'),
             train=phase_params(r, 'train'),
             export=phase_params(r, 'export'),
+            verify=phase_params(r, 'verify'),
         ),
         datasets=_dataset_rows(r, g, st, have),
         partitions=_partition_rows(g, parts),
-        generation=_generation(g, p, parts, gen),
+        generation=_generation(r, g, p, parts, gen, rt),
         hidden=hid,
         extract=ext,
         train=train,
+        goal=goal(r, p),
     )
+    f['categories'] = categories(f['datasets'])
+    f['gpu_hours'] = gpu_hours(f)
     f['commands'] = commands(r, f)
     f['summary'] = summary(f)
     return f
@@ -773,7 +1026,10 @@ _DS_COLS = dict(
     name='dataset',
     format='format',
     kind='kind',
+    category='category',
+    policy='regenerated',
     license='license',
+    repo='repo@revision',
     count='recipe count',
     source='source',
     samples='samples',
@@ -789,6 +1045,8 @@ _TOK_COLS = dict(
     max='max',
     supervised='supervised',
     generated='generated',
+    requests='requests',
+    stored='stored samples',
     response_tokens='+ responses',
     extract_tokens='to extract',
 )
@@ -805,12 +1063,23 @@ def _sec_data(f: dict) -> list:
         "`source`: catalog = SQL over the catalog's samples; estimate = recipe count x the stated mean "
         "(see Assumptions).",
         md_table(ds, _DS_COLS),
+        '## Mix',
+        'Shares of the samples by category (each dataset\'s `category`); generated = samples the target answers.',
+        md_table(
+            f['categories'],
+            dict(category='category', datasets='datasets', samples='samples', share='share', generated='generated'),
+        ),
         '## Token statistics',
         'Tokens per sample as rendered (total_tokens); supervised = tokens under the loss mask; '
         'generated = samples the '
-        'generate phase answers; + responses = their assumed response tokens; to extract = tokens that '
-        'reach the hidden-state store.',
-        md_table(ds + [tot(['tokens', 'supervised', 'generated', 'response_tokens', 'extract_tokens'])], _TOK_COLS),
+        'generate phase answers; requests = its requests for them; stored samples = what reaches training (a '
+        'prefix-policy turn is a sample of its own); + responses = their assumed response tokens; to extract = '
+        'tokens that reach the hidden-state store.',
+        md_table(
+            ds
+            + [tot(['tokens', 'supervised', 'generated', 'requests', 'stored', 'response_tokens', 'extract_tokens'])],
+            _TOK_COLS,
+        ),
         '## Partitions',
         md_table(ds + [tot(['main', 'long', 'excluded', 'unpartitioned'])], _PART_COLS),
         md_table(
@@ -839,6 +1108,7 @@ def _sec_cost(f: dict) -> list:
             bytes_per_token=v['bytes_per_token'],
             bytes=fmt_bytes(v['bytes']),
             bytes_per_sample=fmt_bytes(v['bytes_per_sample']),
+            per_1k=fmt_bytes(v['per_1k']),
             fit='yes' if v['fits'] else '**does not fit**',
         )
         for m, v in h['modes'].items()
@@ -846,15 +1116,29 @@ def _sec_cost(f: dict) -> list:
     return [
         '## Generation',
         f"Kinds {g['kinds']} in mode `{g['mode']}`, max_new_tokens "
-        f"{g['max_new_tokens'] or 'ctx - prompt'}. Estimated time "
+        f"{g['max_new_tokens'] or 'ctx - prompt'}, prefix turns per sample {g['max_turns'] or 'all'}. "
+        f"{fmt_n(g['samples'])} samples regenerated in {fmt_n(g['requests'])} requests. Estimated time "
         f"**{fmt_secs(g['seconds'])}** for {fmt_n(g['response_tokens'])} response tokens at "
-        f"{fmt_n(g['gen_tok_s'])} tok/s "
+        f"{fmt_n(g['gen_tok_s'])} tok/s ({g['source']}) "
         'for the whole fleet; both partitions run at once, and the long one at its own concurrency.',
+        md_table(
+            g['policies'],
+            dict(
+                policy='policy',
+                datasets='datasets',
+                samples='samples',
+                regenerated='regenerated',
+                requests='requests',
+                response_tokens='response tokens',
+                stored='stored samples',
+            ),
+        ),
         md_table(
             gp,
             dict(
                 partition='partition',
                 samples='samples',
+                requests='requests',
                 prompt_tokens='prompt tokens',
                 response_tokens='response tokens',
                 ctx='context',
@@ -867,9 +1151,29 @@ def _sec_cost(f: dict) -> list:
         f"H={f['target']['hidden_size']}, "
         f"{len(f['target']['aux_layers'])} aux layers, compact top-{h['topk']} over a "
         f"{fmt_n(h['draft_vocab'])}-token draft vocabulary). "
-        f"Free: {fmt_bytes(h['free_bytes'])} at `{h['free_at']}`; a mode fits when its bytes x {p['disk_margin']} do. "
+        f"The disk: {h['disk']}. The headroom rule: a mode fits when its bytes x "
+        f"{p['disk_margin']} do, so {fmt_bytes(h['free_bytes'] * (1 - 1 / p['disk_margin']))} stay free for the spool, "
+        "the corpus and whatever else writes there meanwhile; the extract phase also watches free space as it runs "
+        "and stops, resumable, before the disk fills. "
         f"The recipe extracts {'+'.join(h['planned'])}: {fmt_bytes(h['need_bytes'])}, "
-        + ('fits.' if h['fits'] else '**does not fit**.'),
+        + (
+            f"fits with {fmt_bytes(h['headroom_bytes'])} to spare."
+            if h['fits']
+            else f"**does not fit**: extract {'+'.join(h['choice'])} instead (phases.extract.modes)."
+            if h['choice']
+            else '**does not fit, and no mode does**: a bigger disk, fewer samples or shorter answers.'
+        ),
+        *(
+            [
+                f"Your figure, {fmt_bytes(h['stated_per_1k'])} per 1,000 samples, is "
+                f"{fmt_n(h['stated_tokens_per_sample'])} tokens a sample at bf16's "
+                f"{fmt_n(h['modes'].get('bf16', {}).get('bytes_per_token'))} B/token; this plan stores "
+                f"{fmt_n(h['tokens_per_sample'])} tokens a sample: prompts plus the target's own answers (thinking "
+                "included), and one sample per regenerated agent turn, each on its recorded prefix."
+            ]
+            if h['stated_per_1k']
+            else []
+        ),
         md_table(
             hm,
             dict(
@@ -878,12 +1182,20 @@ def _sec_cost(f: dict) -> list:
                 bytes_per_token='bytes/token',
                 bytes='bytes',
                 bytes_per_sample='bytes/sample',
+                per_1k='per 1K samples',
                 fit='fits',
             ),
         ),
         '## Extraction',
-        f"One forward per mode over every stored token: {fmt_n(e['tokens'])} tokens on {e['nodes']} node(s) at "
-        f"{fmt_n(p['extract_tok_s'])} tok/s per node: **{fmt_secs(e['seconds'])}**.",
+        f"One forward per mode over every stored token: {fmt_n(e['tokens'])} tokens in {fmt_n(h['samples'])} samples "
+        f"on {e['nodes']} node(s), engine `{e['engine']}`, "
+        + (
+            f"at {fmt_n(p['extract_samples_s'])} samples/s ({e['source']}): "
+            if 'samples_s' in e['source']
+            else f"at {fmt_n(e['tok_s'])} tok/s per node ({e['source']}): "
+        )
+        + f"**{fmt_secs(e['seconds'])}**. For comparison, an HF forward at the stated {fmt_n(p['extract_tok_s'])} "
+        f"tok/s per node would take {fmt_secs(e['hf_seconds'])}.",
         f"Through the engine (`eagle3nb extract RECIPE --engine vllm` against `vllm serve` at TP 8 with the "
         f"`extract_hidden_states` speculative method and the hidden-states connector, the commands below): one prefill "
         f"request per sample, **{fmt_secs(e['engine_seconds'])}** at an assumed "
@@ -903,7 +1215,39 @@ def _sec_cost(f: dict) -> list:
         f"With batch_size {t['batch_size']} per GPU, {fmt_n(t['epochs'])} epochs are max_steps "
         f"{fmt_n(t['steps_for_epochs'])}; "
         f"the recipe's max_steps {fmt_n(t['max_steps'])} make {fmt_n(t['epochs_of_max_steps'])} epochs.",
+        '## Time and GPU-hours',
+        'One phase after the other on the cluster; GPU-hours = wall hours x the GPUs the phase holds (generation: '
+        'every endpoint\'s GPUs; extraction: its nodes; training: its GPUs).',
+        md_table(
+            [dict(x, seconds=fmt_secs(x['seconds'])) for x in f['gpu_hours']],
+            dict(phase='phase', seconds='wall time', gpus='GPUs', gpu_hours='GPU-hours'),
+        ),
+        *_sec_goal(f['goal']),
     ]
+
+
+def _sec_goal(q: dict) -> list:
+    if not (q['min_accept'] or q['break_even']):
+        return []
+    lines = ['## The goal']
+    if q['min_accept']:
+        lines.append(
+            f"Accept length >= **{q['min_accept']:g}** (`phases.verify.min_accept`): the verify phase measures it in "
+            'the engine and fails below it, saying by how much.'
+        )
+    if q['break_even']:
+        lines.append(
+            f"Today: {fmt_n(q['baseline_tok_s'])} tok/s alone, {fmt_n(q['spec_tok_s'])} tok/s with the draft at "
+            f"accept {q['spec_accept']:g}: a speculative round costs {q['break_even']:.2f} decode steps, so a draft "
+            f"pays above accept length **{q['break_even']:.2f}** (serve-bench's break-even)."
+            + (
+                f" At the goal, with the round's cost unchanged: {q['speedup_at_goal']:.2f}x, about "
+                f"{fmt_n(q['tok_s_at_goal'])} tok/s."
+                if q['speedup_at_goal']
+                else ''
+            )
+        )
+    return lines
 
 # %% ../nbs/90_plan.ipynb #1630f2a0
 def _param_docs() -> dict:
@@ -967,10 +1311,13 @@ def plan_version(path) -> int:
     return int(m[1])
 
 
-def next_plan_path(out_dir) -> Path:
-    "`train_plan_v{N+1}.md` in `out_dir` after the highest existing vN (v1 when there is none)"
+def next_plan_path(
+    out_dir,
+    first: int = 0,  # the lowest version to write (a numbering of yours continues: 5 after train_plan_v4.md)
+) -> Path:
+    "`train_plan_v{N+1}.md` in `out_dir` after the highest existing vN (v1, or v`first`, when there is none)"
     ns = [plan_version(p) for p in Path(out_dir).glob('train_plan_v*.md') if _PLAN_RE.fullmatch(p.name)]
-    return Path(out_dir) / f'train_plan_v{max(ns, default=0) + 1}.md'
+    return Path(out_dir) / f'train_plan_v{max(max(ns, default=0) + 1, first)}.md'
 
 # %% ../nbs/90_plan.ipynb #a2e448a2
 import tempfile
@@ -988,8 +1335,9 @@ def write_plan(
     rp = recipe_path or (None if isinstance(recipe, Recipe) else str(recipe))
     out = Path(out_dir or Path('plans') / r.name)
     out.mkdir(parents=True, exist_ok=True)
+    first = plan_params(r, **params).version
     while True:
-        path = next_plan_path(out)
+        path = next_plan_path(out, first)
         f = plan_facts(r, version=plan_version(path), recipe_path=rp, **params)
         fd, tmp = tempfile.mkstemp(prefix=f'.{path.name}.tmp-', dir=out)  # a fresh name: never a user's file
         tmp = Path(tmp)

@@ -4,10 +4,12 @@
 
 # %% auto #0
 __all__ = ['PrepareError', 'BadRecord', 'read_records', 'choose', 'convert', 'get_adapter', 'prepare', 'sniff', 'read_manifest',
-           'load_prepared', 'conversations']
+           'load_prepared', 'conversations', 'prepare_job', 'cpu_count', 'worker_count', 'prepare_many']
 
 # %% ../nbs/13_prepare.ipynb #fe37ee5b
-import hashlib, json, os, random, re, shutil, time
+import hashlib, json, multiprocessing, os, random, re, shutil, signal, threading, time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from collections import Counter
 from pathlib import Path
 import pyarrow as pa, pyarrow.parquet as pq
@@ -30,7 +32,8 @@ def _files(path: Path) -> list:
     "Data files under `path` (a file, or a folder of them)"
     if path.is_file():
         return [path]
-    fs = sorted(p for p in path.rglob('*') if p.is_file() and p.suffix in (*_BUILDERS, '.traj'))
+    hidden = lambda p: any(x.startswith('.') for x in p.relative_to(path).parts)  # the download's manifest, partials
+    fs = sorted(p for p in path.rglob('*') if p.is_file() and p.suffix in (*_BUILDERS, '.traj') and not hidden(p))
     if not fs:
         raise FileNotFoundError(f"{path}: no .json, .jsonl, .parquet or .traj files in this folder")
     return fs
@@ -413,3 +416,81 @@ def conversations(d, n: int = None):
     ds = load_prepared(d)
     for i in range(len(ds) if n is None else min(n, len(ds))):
         yield from_record(ds[i])
+
+# %% ../nbs/13_prepare.ipynb #18feca8c
+def prepare_job(kw: dict) -> dict:  # name, manifest (None on error), error (None or text), reused, seconds
+    "`prepare(**kw)` as one job of many: its manifest or its error as text, whether it was up to date, its seconds"
+    t0 = time.time()
+    r = dict(name=kw.get('name'), manifest=None, error=None, reused=False)
+    try:
+        before = None if kw.get('force') else read_manifest(Path(kw['out']) / kw['name'])
+        r['manifest'] = prepare(**kw)
+        r['reused'] = r['manifest'] == before  # without force, prepare returns what it found only when it is current
+    except Exception as e:  # this dataset's failure: the caller reports it with the others'
+        r['error'] = f'{type(e).__name__}: {e}'
+    return dict(r, seconds=round(time.time() - t0, 3))
+
+# %% ../nbs/13_prepare.ipynb #494eab2c
+def cpu_count() -> int:
+    "The CPUs this process may run on"
+    return len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1
+
+
+def worker_count(jobs: int, workers: int = 0) -> int:
+    "Processes `prepare_many` uses for `jobs` jobs: `workers`, or 0 for one per job up to the CPU count"
+    return max(1, min(jobs, workers or cpu_count()))
+
+
+def _worker_start(parent: int):
+    "In a worker: leave Ctrl-C to the parent, which stops the workers; exit once the parent is gone (killed)"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # else each worker prints its own KeyboardInterrupt
+
+    def watch():  # the parent killed: do not prepare for no one, then wait for work forever
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)  # a dataset half done leaves its temp folder, which the next run removes
+
+    threading.Thread(target=watch, daemon=True).start()
+
+# %% ../nbs/13_prepare.ipynb #fb877313
+def _outcome(f, kw: dict) -> dict:
+    "The `prepare_job` dict of finished future `f`; a worker that died (killed, out of memory) is its job's error"
+    try:
+        return f.result()
+    except BrokenProcessPool as e:
+        why = (
+            f"a worker process died before this dataset was done ({e}): killed or out of memory? "
+            "(a script that prepares in processes needs its code under `if __name__ == '__main__':`); "
+            "rerun with workers 1 to see it fail here"
+        )
+        return dict(name=kw['name'], manifest=None, error=f'BrokenProcessPool: {why}', reused=False, seconds=None)
+
+
+def _stop(ex: ProcessPoolExecutor):
+    "Stop `ex`'s workers now: their datasets half done leave temp folders that the next run removes"
+    for p in list((ex._processes or {}).values()):  # the executor has no public call that stops a running job
+        p.terminate()
+    ex.shutdown(wait=True, cancel_futures=True)
+
+# %% ../nbs/13_prepare.ipynb #33988fc5
+def prepare_many(
+    jobs: list,  # `prepare`'s keyword arguments, one dict per dataset
+    workers: int = 0,  # datasets at once, each in its own process; 0: one per job up to the CPU count; 1: here
+):  # yields `prepare_job`'s dicts as the jobs finish
+    "Prepare every job, `workers` at once in processes of their own; one that fails does not stop the others"
+    n = worker_count(len(jobs), workers)
+    if n == 1:
+        yield from map(prepare_job, jobs)
+        return
+    import eagle3nb.prepare as me  # a worker unpickles functions by module: this one's, also when a notebook runs
+
+    mp = multiprocessing.get_context('spawn')
+    ex = ProcessPoolExecutor(n, mp_context=mp, initializer=me._worker_start, initargs=(os.getpid(),))
+    try:
+        todo = {ex.submit(me.prepare_job, dict(kw, progress=False)): kw for kw in jobs}  # N bars at once would tangle
+        for f in as_completed(todo):
+            yield _outcome(f, todo[f])
+    except BaseException:  # Ctrl-C, or the caller stopped reading
+        _stop(ex)
+        raise
+    ex.shutdown()

@@ -5,9 +5,10 @@
 # %% auto #0
 __all__ = ['WEIGHTS_HINT', 'MARKER', 'RecipeError', 'one_name', 'Target', 'Dataset', 'Recipe', 'parse_recipe', 'BadFile',
            'bad_file', 'read_text', 'read_json', 'open_safetensors', 'check_weights', 'DuplicateKey', 'UniqueKeyLoader',
-           'load_yaml', 'load_recipe', 'resolve', 'api_key', 'atomic_write', 'recipe_dict', 'write_json', 'save_recipe',
-           'fingerprint', 'default_aux_layers', 'aux_rule', 'check_aux_layers', 'mark_output', 'read_marker',
-           'claim_output', 'remove_stale', 'output_temp', 'publish_output', 'publishing', 'model_dir', 'retrying']
+           'load_yaml', 'load_recipe', 'resolve', 'raw_dir', 'api_key', 'atomic_write', 'recipe_dict', 'write_json',
+           'save_recipe', 'fingerprint', 'default_aux_layers', 'aux_rule', 'check_aux_layers', 'mark_output',
+           'read_marker', 'claim_output', 'remove_stale', 'output_temp', 'publish_output', 'publishing', 'model_dir',
+           'retrying']
 
 # %% ../nbs/00_recipe.ipynb #55149d0a
 import contextlib, hashlib, json, os, re, shutil, socket, tempfile, time
@@ -79,9 +80,15 @@ class Dataset(_Strict):
 
     name: str  # directory name under prepared/; unique in the recipe
     format: str  # adapter name (sharegpt, openai, alpaca, ...)
-    path: str  # local file or directory (json, jsonl, parquet)
+    path: str | None = None  # local file or directory (json, jsonl, parquet); default raw/<name>/[subdir] of `repo`
+    repo: str | None = None  # Hugging Face dataset repo id (org/name) the download phase fetches into raw/<name>/
+    revision: str | None = None  # the repo's commit (40 hex digits: pinned) or a branch or tag; required with `repo`
+    files: list[str] = []  # the repo's files to fetch, as glob patterns (data/train-*.parquet); empty: all of them
+    subdir: str | None = None  # the folder of the download that prepare reads (a config: all, kimi, train_sft)
     count: int | None = None  # sample this many records (seeded); None keeps all
     kind: str | None = None  # full, prompt_only or native; None: the format's default
+    regenerate: Literal['once', 'turns', 'prefix', 'keep'] | None = None  # how generate answers it; None: by kind
+    category: str | None = None  # what the data is for (chat, agentic, reasoning, ...): the plan's shares
     license: str | None = None  # the dataset's license, where the format cannot know it
 
     @field_validator('name')
@@ -102,6 +109,16 @@ class Dataset(_Strict):
         if v is not None and v not in ('full', 'prompt_only', 'native'):
             raise ValueError(f"{v!r}: use full, prompt_only or native")
         return v
+
+    @model_validator(mode='after')
+    def _path_or_repo(self):
+        if not (self.path or self.repo):
+            raise ValueError("give `path` (a local file or folder) or `repo` (a Hugging Face dataset to download)")
+        if self.repo and not self.revision:
+            raise ValueError(
+                f"repo {self.repo}: give `revision`, the commit to fetch (a branch such as main moves under you)"
+            )
+        return self
 
 
 class Recipe(_Strict):
@@ -302,7 +319,7 @@ def load_recipe(
 
 
 def resolve(r: Recipe, base=None) -> Recipe:
-    "A copy of `r` with the model, dataset and data-root paths made absolute"
+    "A copy of `r` with the model, dataset and data-root paths made absolute; a repo's path is its download"
     base = Path(base or os.getcwd()).resolve()
     ab = lambda p: str((base / p).resolve()) if p else p
     r = r.model_copy(deep=True)
@@ -310,8 +327,13 @@ def resolve(r: Recipe, base=None) -> Recipe:
     r.catalog = ab(r.catalog)
     r.target.model = ab(r.target.model)
     for ds in r.datasets:
-        ds.path = ab(ds.path)
+        ds.path = ab(ds.path) if ds.path else str(Path(raw_dir(r, ds.name), ds.subdir or ''))
     return r
+
+
+def raw_dir(r: Recipe, name: str) -> Path:
+    "Where the download phase puts dataset `name`'s files: `<data_root>/raw/<name>`"
+    return Path(r.data_root) / 'raw' / name
 
 # %% ../nbs/00_recipe.ipynb #d383f547
 def api_key(r: Recipe) -> str:

@@ -226,7 +226,7 @@ def _dataset_problems(r: Recipe, paths: bool = True) -> list:
         for p in (
             None if d.format in ADAPTERS else f"datasets[{i}].format: unknown format {d.format!r}; formats: {fmts}",
             None
-            if not paths or Path(d.path).exists()
+            if not paths or Path(d.path).exists() or d.repo
             else f"datasets[{i}].path: {d.path} does not exist; give a local file or folder",
         )
         if p
@@ -485,6 +485,19 @@ def _fingerprint_base(r: Recipe) -> dict:
     return base
 
 
+def _plan(r: Recipe, run_dir: Path, recipe, when: str):
+    "Write the run's next `train_plan_vN.md` into `run_dir`; a plan that cannot be computed is told, not fatal"
+    from eagle3nb.plan import write_plan
+
+    try:
+        path = write_plan(r, run_dir, recipe_path=str(recipe), run_id=run_dir.name)
+    except Exception as e:  # the plan is a report: the phases still run
+        _tell(f'no plan {when}: {type(e).__name__}: {e}')
+        return None
+    _tell(f'plan {when}: {path}')
+    return path
+
+
 def _run_held(recipe, r, run_id, run_dir, nbs, sel, serve, stream, nproc=1) -> Path:
     "The body of `run`, while this process holds the run's lock"
     state = load_state(run_dir)
@@ -509,6 +522,8 @@ def _run_held(recipe, r, run_id, run_dir, nbs, sel, serve, stream, nproc=1) -> P
                 True,
             )
         frozen = save_recipe(rr, run_dir / 'recipe.yaml')
+        if any(phase_key(s) != 'plan' for s in todo):
+            _plan(rr, run_dir, recipe, 'before the first phase')
         for s in (bar := tqdm(sel, desc='phases', unit='phase', file=sys.stderr)):
             bar.set_postfix_str(s)
             if s not in todo:
@@ -516,6 +531,8 @@ def _run_held(recipe, r, run_id, run_dir, nbs, sel, serve, stream, nproc=1) -> P
                 continue
             n = nproc if phase_key(s) == 'train' else 1
             _run_one(s, nbs[s], run_dir, frozen, rr.phases.get(phase_key(s), {}), fps[s], state, stream, n)
+    if todo and phase_key(todo[-1]) != 'plan':  # the plan phase, run last, wrote the closing one itself
+        _plan(rr, run_dir, recipe, 'at the end')
     _tell(f'run {run_id}: {len(sel)} phase(s) done; records in {run_dir}')
     table = summary_table(run_dir, sel)
     (run_dir / 'summary.md').write_text(markdown_table(table))

@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['FORMAT', 'CONVENTION', 'MODES', 'FP8_MAX', 'META_KEYS', 'TENSORS', 'SHARD_RE', 'INDEX_DDL', 'sglang_layer_ids',
            'idx_dtype', 'bytes_per_token', 'quantize_fp8', 'dequantize_fp8', 'fp8_bound', 'shard_meta', 'shard_files',
-           'ShardWriter', 'open_shard', 'read_meta', 'shard_rows', 'read_index', 'done_ids', 'record_index',
-           'sync_index', 'HiddenStates', 'StoreInvalid', 'corpus_map', 'validate']
+           'ShardWriter', 'DiskLow', 'free_bytes', 'open_shard', 'read_meta', 'shard_rows', 'read_index', 'done_ids',
+           'record_index', 'sync_index', 'HiddenStates', 'StoreInvalid', 'corpus_map', 'validate']
 
 # %% ../nbs/51_store.ipynb #ca091201
 import json, os, re, shutil
@@ -153,18 +153,16 @@ class ShardWriter:
         meta: dict,  # `shard_meta(...)`
         shard_bytes: int = 1 << 30,  # flush when the buffer holds this many bytes
         prefix: str = 'r000',  # shard name prefix; one per rank
-        on_shard=None,
-    ):  # called with (path, index rows) after each shard lands
-        self.d, self.meta, self.shard_bytes, self.prefix, self.on_shard = (
-            Path(out_dir),
-            meta,
-            shard_bytes,
-            prefix,
-            on_shard,
-        )
+        on_shard=None,  # called with (path, index rows) after each shard lands
+        reserve: int = 0,  # bytes to keep free on the store's file system: a shard that would cross it is not written
+        free=None,  # folder -> free bytes of its file system; default `free_bytes` (a test's fake disk)
+    ):
+        self.d, self.meta, self.shard_bytes, self.prefix = Path(out_dir), meta, shard_bytes, prefix
+        self.on_shard, self.reserve, self.free = on_shard, reserve, free
         self.d.mkdir(parents=True, exist_ok=True)
         remove_stale(self.d, 'extract')  # a killed writer's temp folders: marked as extract's by a process that is gone
         self.buf, self.nbytes, self.written = [], 0, []
+        self.samples, self.tokens = 0, 0  # what the shards written so far hold
         self.want = ('input_ids', 'loss_mask') + TENSORS[meta['mode']]
 
     def add(self, sample_id: str, tensors: dict):
@@ -181,12 +179,51 @@ class ShardWriter:
         if self.nbytes >= self.shard_bytes:
             self.flush()
 
+# %% ../nbs/51_store.ipynb #0c749fed
+class DiskLow(RuntimeError):
+    "The next shard would leave less than the reserve free on its file system; it was not written"
+
+    def __init__(self, store, free: int, reserve: int, shard_bytes: int, samples: int):
+        self.info = dict(
+            store=str(store), free_bytes=free, reserve_bytes=reserve, shard_bytes=shard_bytes, samples_pending=samples
+        )
+        super().__init__(
+            f"{store}: the next shard ({shard_bytes / 1e9:.3f} GB, {samples} samples) would leave "
+            f"{(free - shard_bytes) / 1e9:.3f} GB free, less than the reserve of {reserve / 1e9:.3f} GB: not written"
+        )
+
+
+def free_bytes(d) -> int:
+    "Free bytes of the file system that holds `d` (its nearest existing folder)"
+    d = Path(d)
+    while not d.exists():
+        d = d.parent
+    return shutil.disk_usage(d).free
+
+# %% ../nbs/51_store.ipynb #a426e0a9
+def _check_room(self: ShardWriter):
+    "`DiskLow` unless the buffered shard fits on its file system with `reserve` bytes to spare"
+    free = (self.free or free_bytes)(self.d)  # `free_bytes` looked up now: a test may stand a fake in for it
+    if free - self.nbytes < self.reserve:
+        raise DiskLow(self.d, free, self.reserve, self.nbytes, len(self.buf))
+
+
+def _drop(self: ShardWriter) -> int:  # the samples dropped
+    "Forget the buffered samples (a stopped run's: its rerun extracts them again)"
+    n = len(self.buf)
+    self.buf, self.nbytes = [], 0
+    return n
+
+
+ShardWriter.check_room, ShardWriter.drop = _check_room, _drop
+
 # %% ../nbs/51_store.ipynb #4817f82d
 @torch.no_grad()
 def _flush(self: ShardWriter):
     "Write the buffered samples as one shard; return its path (None when empty)"
     if not self.buf:
         return None
+    self.check_room()  # before anything is written: a stop leaves the store as it was and keeps the buffer
     ids = [s for s, _ in self.buf]
     lens = torch.tensor([len(t['input_ids']) for _, t in self.buf])
     out = {k: torch.cat([t[k] for _, t in self.buf]).contiguous() for k in self.want}  # (T, ...) over samples
@@ -200,6 +237,7 @@ def _flush(self: ShardWriter):
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     self.written.append(path)
+    self.samples, self.tokens = self.samples + len(ids), self.tokens + int(lens.sum())
     self.buf, self.nbytes = [], 0
     if self.on_shard:
         self.on_shard(path, shard_rows(path))

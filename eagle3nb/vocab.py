@@ -5,11 +5,11 @@
 # %% auto #0
 __all__ = ['DRAFT_VOCAB', 'masked_ids', 'count_tokens', 'ranking', 'top_k_ids', 'vocab_maps', 'check_maps', 'special_token_ids',
            'force_include', 'coverage', 'covered', 'coverage_at', 'plot_coverage', 'build_vocab', 'save_vocab',
-           'load_vocab', 'target_vocab_size', 'family_special_ids', 'vocab_params', 'vocab_recipe', 'vocab_summary',
-           'vocab_cli']
+           'load_vocab', 'maps_problem', 'read_maps', 'reuse_vocab', 'target_vocab_size', 'family_special_ids',
+           'vocab_params', 'vocab_recipe', 'vocab_summary', 'vocab_cli']
 
 # %% ../nbs/45_vocab.ipynb #3287c358
-import json, time
+import hashlib, json, shutil, time
 from pathlib import Path
 import numpy as np
 import torch
@@ -201,14 +201,20 @@ from .recipe import claim_output, publishing  # the vocab folder is replaced onl
 _TENSORS = ('d2t', 't2d', 'ids')
 
 
-def save_vocab(out_dir, v: dict, counts: torch.Tensor, meta: dict = None) -> Path:  # out_dir
-    "Write `build_vocab`'s result `v` to `out_dir` atomically: d2t.pt, t2d.pt, vocab.safetensors, counts.pt, vocab.json"
+def save_vocab(
+    out_dir,  # the vocabulary folder (absent, empty or vocab's own)
+    v: dict,  # `build_vocab`'s (or `reuse_vocab`'s) result
+    counts: torch.Tensor,  # (V,) supervised occurrences per target id
+    meta: dict = None,  # more fields for vocab.json
+    copy=None,  # a reused vocabulary's folder: its d2t.pt and t2d.pt are copied byte for byte, not saved again
+) -> Path:  # out_dir
+    "Write `v` to `out_dir` atomically: d2t.pt, t2d.pt, vocab.safetensors, counts.pt, vocab.json"
     from safetensors.torch import save_file
 
     out = claim_output(out_dir, 'vocab')
     with publishing(out, 'vocab') as tmp:
         for n in ('d2t', 't2d'):
-            torch.save(v[n], tmp / f'{n}.pt')
+            shutil.copyfile(Path(copy) / f'{n}.pt', tmp / f'{n}.pt') if copy else torch.save(v[n], tmp / f'{n}.pt')
         save_file(dict(d2t=v['d2t'], t2d=v['t2d']), str(tmp / 'vocab.safetensors'))
         torch.save(counts, tmp / 'counts.pt')
         summary = {k: x for k, x in v.items() if k not in _TENSORS}
@@ -222,6 +228,97 @@ def load_vocab(out_dir) -> tuple:  # d2t, t2d, summary
     d2t, t2d = torch.load(out / 'd2t.pt'), torch.load(out / 't2d.pt')
     check_maps(d2t, t2d)
     return d2t, t2d, json.loads((out / 'vocab.json').read_text())
+
+# %% ../nbs/45_vocab.ipynb #059d71d7
+def _tensor(f: Path, what: str) -> torch.Tensor:
+    "The tensor `torch.save` wrote at `f`; `what` says what it should hold, for the errors"
+    if not f.is_file():
+        raise FileNotFoundError(f"{f}: no such file; a vocabulary to reuse is a folder with d2t.pt and t2d.pt")
+    try:
+        x = torch.load(f, map_location='cpu', weights_only=True)
+    except Exception as e:  # not a torch file, truncated, or a pickle of more than tensors
+        raise ValueError(
+            f"{f}: torch cannot read it as a tensor ({type(e).__name__}); save {what} with torch.save"
+        ) from None
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{f}: holds a {type(x).__name__}, not a tensor; save {what} with torch.save")
+    return x
+
+# %% ../nbs/45_vocab.ipynb #3e1afcad
+def maps_problem(
+    d2t: torch.Tensor,  # (K,) int64 offsets: target id = i + d2t[i]
+    t2d: torch.Tensor,  # (V,) bool: the target ids in the draft vocabulary
+) -> str | None:  # the first thing wrong, in words
+    "Why `d2t` and `t2d` do not describe the same ascending set of target ids; None when they do"
+    ids, n = torch.arange(len(d2t)) + d2t, len(t2d)
+    if len(bad := ((ids < 0) | (ids >= n)).nonzero()):
+        i = int(bad[0])
+        return f"draft id {i} maps to target id {int(ids[i])} (i + d2t[i]), outside the target's {n} ids"
+    if len(bad := (ids[1:] <= ids[:-1]).nonzero()):
+        i = int(bad[0])
+        return f"draft ids {i} and {i + 1} map to target ids {int(ids[i])} and {int(ids[i + 1])}: they must ascend"
+    if len(bad := (~t2d[ids]).nonzero()):
+        i = int(bad[0])
+        return f"draft id {i} maps to target id {int(ids[i])} (i + d2t[i]), which t2d does not mark"
+    extra = t2d.clone()
+    extra[ids] = False
+    if extra.any():
+        return (
+            f"t2d marks {int(t2d.sum())} target ids, d2t maps {len(d2t)} (target id {int(extra.nonzero()[0])} is extra)"
+        )
+    return None
+
+# %% ../nbs/45_vocab.ipynb #45408f41
+def read_maps(
+    src,  # a vocabulary folder: d2t.pt and t2d.pt, as `torch.save` wrote them
+    n_target: int,  # the target's vocabulary size
+) -> tuple:  # d2t (K,) int64, t2d (n_target,) bool
+    "A saved vocabulary's maps, each file checked for the shape and dtype this project writes, and the two together"
+    fd, ft = Path(src) / 'd2t.pt', Path(src) / 't2d.pt'
+    d2t, t2d = _tensor(fd, 'd2t (int64, one offset per draft id)'), _tensor(ft, 't2d (bool, one per target id)')
+    if d2t.dtype != torch.int64 or d2t.ndim != 1 or not len(d2t):
+        raise ValueError(f"{fd}: d2t must be a non-empty 1-D int64 tensor, not {d2t.dtype} of shape {tuple(d2t.shape)}")
+    if t2d.dtype != torch.bool or t2d.ndim != 1:
+        raise ValueError(f"{ft}: t2d must be a 1-D bool tensor, not {t2d.dtype} of shape {tuple(t2d.shape)}")
+    if len(t2d) != n_target:
+        raise ValueError(
+            f"{ft}: {len(t2d)} entries, but the target has {n_target} ids: a vocabulary of another target?"
+        )
+    if why := maps_problem(d2t, t2d):
+        raise ValueError(
+            f"{fd} and {ft} disagree: {why}; save both from the same ids (`vocab.vocab_maps`), "
+            "or drop from_dir to count a new vocabulary"
+        )
+    return d2t.contiguous(), t2d.contiguous()
+
+# %% ../nbs/45_vocab.ipynb #0798659d
+def _stated_coverage(src) -> float | None:
+    "The coverage a vocabulary folder's own vocab.json records (an eagle3nb vocabulary), else None"
+    from eagle3nb.recipe import read_json
+
+    f = Path(src) / 'vocab.json'
+    if not f.is_file():
+        return None
+    c = read_json(f, "it is damaged: state the vocabulary's coverage yourself (phases.vocab.from_coverage)")
+    return float(c['coverage']) if isinstance(c, dict) and isinstance(c.get('coverage'), (int, float)) else None
+
+# %% ../nbs/45_vocab.ipynb #d3258715
+def reuse_vocab(
+    src,  # a vocabulary folder: d2t.pt, t2d.pt (see `read_maps`)
+    counts: torch.Tensor,  # (V,) supervised occurrences per target id in the current corpus
+    special: dict = None,  # token -> target id of the family's special tokens
+    stated: float = None,  # the coverage stated for it (e.g. 0.983); None: its vocab.json's, if it has one
+) -> dict:  # build_vocab's fields for the reused maps, plus from_dir and previous_coverage
+    "The draft vocabulary in `src`, measured on `counts`: its coverage of this corpus beside the stated one"
+    d2t, t2d = read_maps(src, len(counts))
+    ids = torch.arange(len(d2t)) + d2t
+    v = build_vocab(counts, len(d2t), special)  # a fresh choice of the same K: coverage_top_k, the specials' ranks
+    v.update(
+        d2t=d2t, t2d=t2d, ids=ids, coverage=covered(counts, ids), forced=[], displaced=[], special_outside_top_k=[]
+    )
+    v['special_outside'] = [t for t, u in v['special_used'].items() if not t2d[u['id']]]
+    prev = stated if stated is not None else _stated_coverage(src)
+    return {**v, 'from_dir': str(Path(src).resolve()), 'previous_coverage': prev}
 
 # %% ../nbs/45_vocab.ipynb #7c9fe84f
 def target_vocab_size(model_dir) -> int:
@@ -242,7 +339,8 @@ def family_special_ids(tok) -> dict:  # token -> id
 def vocab_params(r) -> dict:
     "The vocab phase's parameters from recipe `r` (`phases.vocab`), with defaults"
     p = {'draft_vocab': DRAFT_VOCAB, **r.phases.get('vocab', {})}
-    return dict(draft_vocab=int(p['draft_vocab']))
+    reuse = dict(from_dir=str(p.get('from_dir') or ''), from_coverage=float(p.get('from_coverage') or 0))
+    return dict(draft_vocab=int(p['draft_vocab']), **reuse)
 
 # %% ../nbs/45_vocab.ipynb #bd1a06af
 def _target_dir(r) -> str:
@@ -251,12 +349,36 @@ def _target_dir(r) -> str:
     return str(ensure_toy(r.target.toy, r.target.model)) if r.target.toy else r.target.model
 
 
+def _reuse_params(
+    from_dir,  # the folder of the vocabulary to reuse
+    out: Path,  # <data_root>/vocab, which the phase replaces
+    stated: float = None,  # the coverage stated for it
+) -> dict:  # from_dir (resolved), from_coverage, d2t_sha256, t2d_sha256
+    "What identifies a reused vocabulary in vocab.json; refused when it is missing or inside `out`"
+    src, mine = Path(from_dir).expanduser().resolve(), out.resolve()  # a relative path: from the working directory
+    if not src.is_dir():
+        raise FileNotFoundError(f"phases.vocab.from_dir: {src} is no folder; give the absolute path of the vocabulary")
+    if missing := [f for f in ('d2t.pt', 't2d.pt') if not (src / f).is_file()]:
+        raise FileNotFoundError(
+            f"phases.vocab.from_dir: {src} has no {' or '.join(missing)}: a vocabulary to reuse has both"
+        )
+    if src == mine or mine in src.parents:
+        raise ValueError(
+            f"phases.vocab.from_dir: {src} is inside {out}, the folder the vocab phase replaces; copy the vocabulary "
+            "to a folder of its own and give that (or drop from_dir: the vocabulary there is kept while it matches)"
+        )
+    sha = {f'{n}_sha256': hashlib.sha256((src / f'{n}.pt').read_bytes()).hexdigest() for n in ('d2t', 't2d')}
+    return dict(from_dir=str(src), from_coverage=stated or None, **sha)
+
+
 def vocab_recipe(
     r,  # resolved recipe (see `recipe.load_recipe`)
-    draft_vocab: int = None,  # K; default the recipe's `phases.vocab.draft_vocab`, else 32000
+    draft_vocab: int = None,  # K; default the recipe's `phases.vocab.draft_vocab`, else 32000 (a reused one: its own)
     force: bool = False,  # recount even when vocab.json matches
+    from_dir: str = None,  # reuse the d2t.pt / t2d.pt of this folder; default the recipe's `phases.vocab.from_dir`
+    from_coverage: float = None,  # the coverage stated for them; default the recipe's, else their vocab.json's
 ) -> dict:  # the vocab.json summary
-    "Choose the draft vocabulary from the corpus train split of recipe `r` into `<data_root>/vocab/`"
+    "Choose the draft vocabulary from the corpus train split of recipe `r` (or reuse one) into `<data_root>/vocab/`"
     from datasets import load_from_disk
 
     root = Path(r.data_root)
@@ -264,15 +386,16 @@ def vocab_recipe(
     if not (corpus / 'corpus.json').exists():
         raise FileNotFoundError(f'{corpus}: no corpus.json; run the merge phase (40_merge) first')
     claim_output(out, 'vocab')  # before the work: a folder vocab did not write is refused at once
-    k = int(draft_vocab or vocab_params(r)['draft_vocab'])
-    model = _target_dir(r)
+    vp, model = vocab_params(r), _target_dir(r)
+    k, src = int(draft_vocab or vp['draft_vocab']), from_dir or vp['from_dir']
     from eagle3nb.recipe import read_json
 
     cm = read_json(
         corpus / 'corpus.json',
         'the corpus manifest is damaged: run `eagle3nb merge RECIPE --force` to write the corpus again',
     )
-    params = dict(draft_vocab=k, corpus=cm.get('fingerprint'), target=str(model))
+    params = dict(corpus=cm.get('fingerprint'), target=str(model))
+    params.update(_reuse_params(src, out, from_coverage or vp['from_coverage']) if src else dict(draft_vocab=k))
     again = 'the vocab summary is damaged: run `eagle3nb vocab RECIPE --force` to count again'
     if (
         not force
@@ -283,20 +406,27 @@ def vocab_recipe(
     from .render import load_tokenizer
 
     t0, n_target = time.time(), target_vocab_size(model)
+    if src:
+        read_maps(params['from_dir'], n_target)  # refused before the count, which takes minutes on a big corpus
     counts = count_tokens(load_from_disk(str(corpus / 'train')), n_target)
-    v = build_vocab(counts, k, family_special_ids(load_tokenizer(model, r.target.trust_remote_code)))
-    save_vocab(out, v, counts, dict(params=params, seconds=round(time.time() - t0, 3)))
+    special = family_special_ids(load_tokenizer(model, r.target.trust_remote_code))
+    v = reuse_vocab(src, counts, special, params['from_coverage']) if src else build_vocab(counts, k, special)
+    save_vocab(out, v, counts, dict(params=params, seconds=round(time.time() - t0, 3)), copy=params.get('from_dir'))
     return load_vocab(out)[2]
 
 # %% ../nbs/45_vocab.ipynb #a7258002
 def vocab_summary(s: dict) -> str:
-    "Lines for a person: K, coverage, special tokens"
+    "Lines for a person: K, coverage (a reused vocabulary's beside the coverage stated for it), special tokens"
     lines = [
         f"draft vocab K={s['draft_vocab']} of {s['target_vocab']} target ids; "
         f"{s['supervised_tokens']:,} supervised tokens, {s['distinct_tokens']:,} distinct",
         f"coverage at K: {s['coverage']:.2%} (top-K by count: {s['coverage_top_k']:.2%})",
         f"special tokens used in training: {', '.join(s['special_used']) or 'none'}",
     ]
+    if s.get('from_dir'):
+        prev = s.get('previous_coverage')
+        was = f"{prev:.2%} stated for it ({(s['coverage'] - prev) * 100:+.2f} points here)" if prev else 'none stated'
+        lines.insert(2, f"reused from {s['from_dir']}: coverage of this corpus {s['coverage']:.2%}; {was}")
     if s['forced']:
         lines.append(
             f"forced in (ranked outside the top K): {', '.join(s['special_outside_top_k'])}; "
@@ -310,12 +440,13 @@ def vocab_cli(
     recipe: str,  # recipe YAML file
     draft_vocab: int = None,  # K; default the recipe's phases.vocab.draft_vocab, else 32000
     force: bool = False,  # recount even when vocab.json matches
+    from_dir: str = None,  # reuse the d2t.pt / t2d.pt of this folder; default the recipe's phases.vocab.from_dir
 ) -> dict:  # the vocab.json summary
-    "`eagle3nb vocab RECIPE`: choose the draft vocabulary on CPU and print the summary"
+    "`eagle3nb vocab RECIPE`: choose the draft vocabulary on CPU (or reuse one) and print the summary"
     from .recipe import load_recipe
 
     r = load_recipe(recipe)
-    s = vocab_recipe(r, draft_vocab, force)
+    s = vocab_recipe(r, draft_vocab, force, from_dir)
     print(vocab_summary(s))
     print(f"wrote {Path(r.data_root) / 'vocab'}")
     return s

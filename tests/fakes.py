@@ -5,7 +5,7 @@ slow to test kills, faults or thousands of requests per second. `FakeTarget` spe
 streams, keep-alive, Content-Length bodies) for httpx and the openai SDK. Its answer to a prompt is a function of the
 prompt alone: `n = length(prompt)` tokens, cut at `max_tokens`, after `latency + per_token * n` seconds (override
 `pause` for other timing). `flavor='vllm'` accepts token-id prompts and returns token ids; `flavor='hf'` rejects them
-as `transformers serve` does. It logs what every request asked for in `requests`.
+as `transformers serve` does. It logs what every request asked for in `requests`, and its path and body in `calls`.
 
 Notebooks import it with the repository's tests/ folder on `sys.path` (they run with cwd nbs/).
 """
@@ -66,6 +66,7 @@ class FakeTarget:
     def __init__(self, model='fake', flavor='vllm', latency=0.0, per_token=0.0, length=default_length, port=None):
         self.model, self.flavor, self.latency, self.per_token, self.length = model, flavor, latency, per_token, length
         self.port, self.requests, self.proc, self.thread = port or free_port(), [], None, None
+        self.calls = []  # (path, body) of every request answered, /models aside
 
     @property
     def base_url(self) -> str:
@@ -75,6 +76,7 @@ class FakeTarget:
         "(status, json, completion tokens) for one request"
         if path.endswith('/models'):
             return 200, dict(data=[dict(id=self.model)]), 0
+        self.calls.append((path, body))
         if body.get('model') != self.model:
             return 400, dict(detail=f"model {body.get('model')!r} is not served"), 0
         if self.flavor == 'hf' and set(body) - HF_FIELDS:

@@ -1,6 +1,6 @@
-"Extract + store: equality with a direct forward on both toys, kill -9 resume, disk preflight, catalog index, torchrun ranks"
+"Extract + store: equal to a direct forward on both toys, kill -9 resume, disk (preflight, filling), catalog, torchrun"
 
-import os, shutil, signal, subprocess, sys, textwrap, time
+import json, os, shutil, signal, subprocess, sys, textwrap, time
 from pathlib import Path
 
 import pytest
@@ -109,22 +109,69 @@ def test_kill9_resume_loses_and_duplicates_nothing(kimi, tmp_path):
 
 def test_preflight_refuses_without_space(kimi, tmp_path, monkeypatch):
     "Free space < estimate x 1.1: no forward, no shard, a message with the amount needed; exactly 1.1x passes"
-    import eagle3nb.extract as ex
-
     m, rows = load_target(kimi), samples(6)
     need = bytes_per_token('bf16', 64) * sum(len(r['input_ids']) for r in rows)
     real = shutil.disk_usage
     fake = lambda free: lambda p: real(p)._replace(free=free)
-    monkeypatch.setattr(ex.shutil, 'disk_usage', fake(int(need * 1.1) - 1))
+    monkeypatch.setattr(shutil, 'disk_usage', fake(int(need * 1.1) - 1))
     with pytest.raises(NotEnoughDisk, match=r'needs .* GB free .*estimate .* x 1.1'):
-        extract(m, rows, tmp_path / 'h', aux_layers=AUX, on_batch=lambda st: pytest.fail('a forward ran'))
+        extract(
+            m, rows, tmp_path / 'h', aux_layers=AUX, on_batch=lambda st: pytest.fail('a forward ran'), min_free_gb=0
+        )
     assert shard_files(tmp_path / 'h') == []
-    monkeypatch.setattr(ex.shutil, 'disk_usage', fake(int(need * 1.1)))
-    st = extract(m, rows, tmp_path / 'h', aux_layers=AUX)
+    monkeypatch.setattr(shutil, 'disk_usage', fake(int(need * 1.1)))
+    st = extract(m, rows, tmp_path / 'h', aux_layers=AUX, min_free_gb=0)
     assert st['planned_bytes'] == need and st['samples'] == 6
     assert (
         sum(f.stat().st_size for f in shard_files(tmp_path / 'h')) < need * 1.1
     )  # the estimate covers the headers too
+
+
+def test_disk_fills_mid_run_phase_stops_then_resumes(tmp_path, monkeypatch):
+    "Disk fills mid-phase: stop before the crossing shard, record + error say so, rate kept; rerun = uninterrupted run"
+    from datasets import load_from_disk
+    import eagle3nb.store as store
+    from eagle3nb.extract import ExtractionStopped
+    from eagle3nb.phase import RunContext
+    from eagle3nb.phases import extract as phase
+
+    ctx = RunContext.open('', tmp_path / 'run')  # the smoke run: kimi-tiny, 8 samples in pairs of equal length, 2 modes
+    hidden, p = ctx.data_root / 'hidden', phase.Params(shard_mb=0, min_free_gb=2)  # a shard per sample
+    landed = lambda: sum(len(shard_files(d)) for d in hidden.glob('*/*'))
+    monkeypatch.setattr(store, 'free_bytes', lambda d: 10**12 if landed() < 5 else 10**9)  # 1 GB left after 5 shards
+    with pytest.raises(ExtractionStopped, match=r'5/16 samples stored.*rerun the same command'):
+        phase.run(ctx, p)
+    rec = phase.run.read(ctx.run_dir)  # written before the phase failed
+    assert {k: rec.stopped[k] for k in ('samples_done', 'samples_total', 'free_bytes', 'reserve_bytes')} == dict(
+        samples_done=5, samples_total=16, free_bytes=10**9, reserve_bytes=2 * 10**9
+    )
+    assert rec.headline().startswith('stopped for disk: 5/16 samples stored')
+    assert [(x['mode'], x['samples']) for x in rec.rows] == [('bf16', 3), ('compact', 2)]  # the 6th shard: not written
+    lens = [len(x) for x in load_from_disk(str(ctx.data_root / 'corpus' / 'train'))['input_ids']]
+    rate = query(ctx.catalog, "SELECT * FROM rates WHERE phase = 'extract'")
+    assert (len(rate), rate.run_id[0], rate.samples[0], rate.tokens[0]) == (1, 'run', 4, sum(lens[:4]))  # 2 batches
+    assert json.loads(rate.detail[0])['stopped'] is True and rate.seconds[0] > 0
+    monkeypatch.setattr(store, 'free_bytes', lambda d: 10**12)  # room again
+    rec = phase.run(ctx, p)
+    assert [(x['mode'], x['new_samples'], x['samples'], x['stopped']) for x in rec.rows] == [
+        ('bf16', 5, 8, None),
+        ('compact', 6, 8, None),
+    ]
+    rate = query(ctx.catalog, "SELECT * FROM rates WHERE phase = 'extract'")
+    assert (len(rate), rate.samples[0], json.loads(rate.detail[0])['stopped']) == (1, 6, False)  # the rerun's
+    ref = RunContext.open('', tmp_path / 'ref')
+    phase.run(ref, p)  # uninterrupted
+    for mode, names in (('bf16', ('aux', 'final')), ('compact', ('aux', 'topk_p', 'topk_idx'))):
+        d, r = hidden / mode / 'train', ref.data_root / 'hidden' / mode / 'train'
+        ids = [x['sample_id'] for x in read_index(d)]
+        assert len(ids) == len(set(ids)) == 8 and set(ids) == {x['sample_id'] for x in read_index(r)}
+        a, b = (
+            {s['sample_id']: s for s in HiddenStates(d, raw=True)},
+            {s['sample_id']: s for s in HiddenStates(r, raw=True)},
+        )
+        assert all(torch.equal(a[s][k], b[s][k]) for s in ids for k in names), mode
+        n = query(ctx.catalog, 'SELECT count(*) AS n FROM hidden_index WHERE store = ?', [str(d.resolve())]).n[0]
+        assert n == 8
 
 
 def test_compact_mode_bound(kimi, tmp_path):

@@ -360,7 +360,7 @@ def test_hung_request_times_out_and_is_retried(kimi_tiny, tmp_path):
 # ---------------------------------------------------------------- agentic rows: every assistant turn, in order
 
 
-def test_each_turn_regenerated_in_order_with_tool_results_replayed(kimi_tiny, tmp_path):
+def test_turns_each_turn_regenerated_in_order_with_tool_results_replayed(kimi_tiny, tmp_path):
     fx = FIXTURE.parent / 'glaive_toolcall_en_demo.sample.json'
     with FakeTarget() as ft:
         r = demo_recipe(
@@ -372,7 +372,7 @@ def test_each_turn_regenerated_in_order_with_tool_results_replayed(kimi_tiny, tm
             max_ctx=2048,
             long_ctx=4096,
         )
-        s = generate(r, progress=False, mode='chat', turns='each', kinds=['full'])
+        s = generate(r, progress=False, kinds=['full'])  # sharegpt, kind full: policy turns, chat mode
         n_requests = len(ft.requests)
     n_events = dict(samples_df(r.catalog)[['sample_id', 'n_events']].values)
     recs = {x['sample_id']: x for x in read_shards(gen_dir(r.data_root))}
@@ -468,8 +468,8 @@ def test_chat_answer_holding_special_tokens_is_dropped_with_its_reason(kimi_tiny
     assert again['jobs'] == 0  # finished: never requested again
 
 
-def test_full_samples_last_turn_raw(kimi_tiny, tmp_path):
-    "A `full` sample regenerated with turns='last' sends everything before its last supervised span"
+def test_full_samples_once_last_turn_raw(kimi_tiny, tmp_path):
+    "A `full` sample answered `once` (the recipe's `regenerate`) sends everything before its last supervised span"
     from datasets import load_from_disk
 
     fx = FIXTURE.parent / 'glaive_toolcall_en_demo.sample.json'
@@ -477,7 +477,7 @@ def test_full_samples_last_turn_raw(kimi_tiny, tmp_path):
         r = demo_recipe(
             tmp_path,
             kimi_tiny,
-            [('glaive', 'sharegpt', fx, 'full')],
+            [('glaive', 'sharegpt', fx, 'full', 'once')],
             [ft.base_url],
             'fake',
             max_ctx=2048,
@@ -486,7 +486,7 @@ def test_full_samples_last_turn_raw(kimi_tiny, tmp_path):
         s = generate(r, progress=False, kinds=['full'])
         asked = set(ft.requests)
     rows = load_from_disk(str(Path(r.data_root) / 'rendered' / 'glaive'))
-    assert s['ok'] == len(rows) == 4
+    assert s['ok'] == len(rows) == 4 and s['policies'] == dict(once=4)
     assert {
         tuple(x['input_ids'][: x['spans'][-1][0]]) for x in rows
     } <= asked  # the server saw exactly these prompts (ids)
@@ -534,3 +534,179 @@ def test_completed_samples_become_training_samples_and_reach_the_corpus(tmp_path
     assert sorted(train['sample_id']) == sorted(
         done['sample_id']
     )  # the 3 answered prompts; the failed one is not in the corpus
+
+
+# ---------------------------------------------------------------- policies: once, turns, prefix, keep in one phase run
+
+OPENHANDS_3 = dict(  # an agent trajectory of 3 assistant turns, two of them tool calls answered by recorded results
+    trajectory_id='t1',
+    messages=[
+        dict(role='system', content='You are a coding agent.'),
+        dict(role='user', content='Fix the division by zero in a.py.'),
+        dict(
+            role='assistant',
+            content='Reading it.',
+            tool_calls=[dict(id='c1', type='function', function=dict(name='bash', arguments='{"cmd": "cat a.py"}'))],
+        ),
+        dict(role='tool', tool_call_id='c1', content='print(1 / 0)'),
+        dict(
+            role='assistant',
+            content='Patching.',
+            tool_calls=[
+                dict(id='c2', type='function', function=dict(name='bash', arguments='{"cmd": "sed -i s/0/1/ a.py"}'))
+            ],
+        ),
+        dict(role='tool', tool_call_id='c2', content='done'),
+        dict(role='assistant', content='Fixed: a.py divides by one now.'),
+    ],
+    tools=[
+        dict(
+            type='function',
+            function=dict(
+                name='bash',
+                description='run a shell command',
+                parameters=dict(type='object', properties=dict(cmd=dict(type='string'))),
+            ),
+        )
+    ],
+)
+
+
+@pytest.fixture(scope='module')
+def policy_run(kimi_tiny, tmp_path_factory):
+    """The generate phase on a fake target over every policy: prompts (once), glaive chats (turns), an OpenHands
+    trajectory of 3 turns and a SWE-agent one of 5 (prefix, max_turns=3), a Kimi-native Hermes trace (keep)"""
+    from eagle3nb.phase import RunContext
+    from eagle3nb.phases import generate as phase
+
+    tmp, fx = tmp_path_factory.mktemp('policies'), FIXTURE.parent
+    (tmp / 'oh.jsonl').write_text(json.dumps(OPENHANDS_3) + '\n')
+    sources = [
+        ('syn', 'openai', write_prompts(tmp / 'p.jsonl', 3)),
+        ('glaive', 'sharegpt', fx / 'glaive_toolcall_en_demo.sample.json', 'full'),
+        ('oh', 'openhands', tmp / 'oh.jsonl', 'full'),
+        ('swe', 'sweagent_traj', fx / 'sweagent_function_calling_simple.traj', 'full'),
+        ('hermes', 'hermes_kimi_traces', fx / 'hermes_agent_trajectory.doc_example.json', None),
+    ]
+    with FakeTarget() as ft:
+        r = demo_recipe(tmp, kimi_tiny, sources, [ft.base_url], 'fake', max_ctx=2048, long_ctx=4096)
+        with RunContext.open(r, tmp / 'run') as ctx:
+            rec = phase.run(ctx, dict(kinds=['prompt_only', 'full', 'native'], max_turns=3))
+        calls = list(ft.calls)
+    return r, rec, calls
+
+
+def _rendered(r, ds):
+    from datasets import load_from_disk
+
+    return load_from_disk(str(Path(r.data_root) / 'rendered' / ds))
+
+
+def _samples(r, ds):
+    from datasets import load_from_disk
+
+    return load_from_disk(str(Path(r.data_root) / 'generated' / ds / 'samples'))
+
+
+def test_policies_by_kind_and_format_in_the_repository_recipes():
+    "regen_policy on the recipes we ship: prompts once, chats turns, agent trajectories prefix, Kimi's own kept"
+    from eagle3nb.recipe import load_recipe
+    from eagle3nb.generate import policies
+
+    demo = policies(load_recipe(ROOT / 'recipes' / 'demo.yaml'))
+    assert demo == dict(
+        sharegpt_vicuna='turns',
+        alpaca_demo='turns',
+        glaive_toolcall_lf='turns',
+        lf_reason_tool_use='turns',
+        sweagent='prefix',
+        xlam='prefix',
+        hermes_kimi='keep',
+        alpaca_prompts='once',
+        python_prompts='once',
+    )
+    assert policies(load_recipe(ROOT / 'recipes' / 'kimi-k25-demo.yaml')) == demo
+    kimi = policies(load_recipe(ROOT / 'recipes' / 'kimi-k2.5-agentic-100k.yaml'))
+    assert (
+        kimi['swe_rebench_openhands'] == kimi['swe_agent_trajectories'] == 'prefix'
+        and kimi['ultrachat_prompts'] == 'once'
+    )
+    assert kimi['sharegpt_vicuna'] == 'turns' and kimi['hermes_kimi_traces'] == 'keep'
+
+
+def test_prefix_each_turn_on_its_recorded_prefix_one_sample_each(policy_run):
+    "3 turns: 3 raw requests on the recorded prefixes, 3 samples (the prefix as rendered, only the answer supervised)"
+    r, rec, calls = policy_run
+    raw = [tuple(b['prompt']) for p, b in calls if p == '/v1/completions' and b['max_tokens'] > 1]  # probe aside
+    row = _rendered(r, 'oh')[0]
+    assert row['n_events'] == 3
+    prefixes = [tuple(row['input_ids'][:a]) for a, _ in row['spans']]
+    assert all(raw.count(q) == 1 for q in prefixes)
+    swe = _rendered(r, 'swe')[0]
+    asked = [k for k, (a, _) in enumerate(swe['spans']) if tuple(swe['input_ids'][:a]) in raw]
+    assert len(swe['spans']) == 5 and asked == [0, 2, 4]  # max_turns=3 of its 5, evenly
+    assert len(raw) == 3 + 3 + 3  # the prompts, the OpenHands turns, the SWE-agent ones: nothing else raw
+    done = _samples(r, 'oh')
+    assert done['sample_id'] == [f"{row['sample_id']}-t{k:02d}" for k in range(3)]
+    for x, (a, _) in zip(done, row['spans']):
+        n = len(x['input_ids']) - a
+        assert x['input_ids'][:a] == row['input_ids'][:a] and x['input_ids'][a:] == list(range(100, 100 + n))
+        assert x['loss_mask'] == [0] * a + [1] * n and x['spans'] == [[a, a + n]] and n > 0
+    assert len(_samples(r, 'swe')) == 3
+
+
+def test_turns_chat_rendered_with_the_targets_answers_every_turn_supervised(policy_run, kimi_tiny):
+    "A `turns` chat becomes rendered samples whose history holds the target's answers, each of them supervised"
+    from eagle3nb.generate import conversations
+
+    r, rec, calls = policy_run
+    tok = load_tokenizer(kimi_tiny)
+    recs = {x['conversation_id']: x for x in read_shards(gen_dir(r.data_root), 'glaive')}
+    chats = [b for p, b in calls if p == '/v1/chat/completions']
+    assert len(recs) == 4 and len(chats) == sum(len(x['turns']) for x in recs.values())
+    recorded = conversations(Path(r.data_root) / 'prepared' / 'glaive', set(recs))
+    orig = {x['conversation_id']: x for x in _rendered(r, 'glaive')}
+    done = _samples(r, 'glaive')
+    assert set(done['conversation_id']) == set(recs)
+    for cid, x in recs.items():
+        mine = [s for s in done if s['conversation_id'] == cid]
+        spans = [tok.decode(s['input_ids'][a:b]) for s in mine for a, b in s['spans']]
+        assert len(spans) == len(x['turns'])  # every regenerated turn supervised, once
+        for t, text in zip(x['turns'], spans):
+            assert (t['content'] or '') in text and all(c['function']['name'] in text for c in t['tool_calls'] or [])
+        first = mine[0]
+        a = first['spans'][0][0]
+        assert first['input_ids'][:a] == orig[cid]['input_ids'][: orig[cid]['spans'][0][0]]  # the recorded opening
+        whole = tok.decode(mine[-1]['input_ids'])
+        said = [m['content'] for m in recorded[cid]['messages'] if m['role'] == 'assistant' and len(m['content']) > 20]
+        assert said and not any(m in whole for m in said)  # no recorded answer left in the history
+
+
+def test_keep_sends_nothing(policy_run):
+    r, rec, calls = policy_run
+    assert rec.summary['kept'] == dict(hermes=1) and 'keep' not in rec.summary['policies']
+    pol = {x['policy']: x for x in rec.policies}
+    assert (pol['keep']['datasets'], pol['keep']['samples'], pol['keep']['ok']) == (['hermes'], 1, 0)
+    assert not (gen_dir(r.data_root) / 'hermes').exists()
+    st = samples_df(r.catalog, where="dataset = 'hermes'", phases=['generate'])
+    assert st.state_generate.tolist() == ['skipped']  # never asked: kept, by policy
+    hk = _rendered(r, 'hermes')[0]
+    assert not any(tuple(b.get('prompt') or ()) == tuple(hk['input_ids'][: hk['spans'][0][0]]) for _, b in calls)
+
+
+def test_merge_takes_the_generated_samples_and_a_rate_is_recorded(policy_run):
+    from eagle3nb.catalog import measured_rate
+    from eagle3nb.merge import load_input, merge_corpus, merge_inputs
+
+    r, rec, _ = policy_run
+    inputs = merge_inputs(r)
+    assert {f'generated:{d}' for d in ('syn', 'glaive', 'oh', 'swe')} <= set(
+        inputs
+    ) and 'generated:hermes' not in inputs
+    train, ev, rep, fates = merge_corpus({k: load_input(v) for k, v in inputs.items()}, eval_fraction=0.0)
+    got = set(train['sample_id'])
+    assert set(_samples(r, 'oh')['sample_id']) | set(_samples(r, 'swe')['sample_id']) <= got
+    assert set(_samples(r, 'glaive')['sample_id']) | set(_samples(r, 'syn')['sample_id']) <= got
+    rate = measured_rate(r.catalog, 'generate')
+    assert (rate['run_id'], rate['tokens'], rate['samples']) == ('run', rec.summary['completion_tokens'], 3 + 4 + 1 + 1)
+    assert rate['tok_per_s'] > 0 and rec.rate['detail'] == dict(endpoints=1, c_main=4, c_long=1)

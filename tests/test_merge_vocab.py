@@ -29,6 +29,7 @@ from eagle3nb.vocab import (
     coverage,
     vocab_recipe,
     vocab_cli,
+    vocab_summary,
     load_vocab,
 )
 from eagle3nb.catalog import query
@@ -159,6 +160,7 @@ def test_merge_dedup_fates_and_mix():
         excluded=1,
         no_supervised=0,
         replaced=0,
+        regenerated=0,
         duplicates=0,
         not_sampled=0,
         sampled=3,
@@ -292,6 +294,74 @@ def test_vocab_recipe_and_cli(smoke, capsys):
     out = vocab_cli(str(recipe))
     assert out['draft_vocab'] == 300 and out['forced'] == [] and 'coverage at K' in capsys.readouterr().out
     assert vocab_cli(str(recipe))['params'] == out['params']  # rerun: read back, not recounted
+
+
+def test_vocab_reuse_same_files_same_coverage(smoke, tmp_path, capsys):
+    "The phase's own vocabulary, reused from a user's folder on the same corpus: same files and coverage, folder kept"
+    import shutil
+    from eagle3nb.recipe import save_recipe
+
+    r, out = smoke, Path(smoke.data_root) / 'vocab'
+    merge_recipe(r, eval_fraction=0.2, seed=1)
+    s = vocab_recipe(r, draft_vocab=64, force=True)
+    mine = tmp_path / 'previous'
+    shutil.copytree(out, mine)
+    before = {f.name: f.read_bytes() for f in mine.iterdir()}
+    recipe = tmp_path / 'recipe.yaml'  # the recipe key, as a user writes it
+    save_recipe(r.model_copy(update=dict(phases={'vocab': {'from_dir': str(mine)}})), recipe)
+    u = vocab_cli(str(recipe))
+    assert f'reused from {mine}: coverage of this corpus {s["coverage"]:.2%}' in capsys.readouterr().out
+    for f in ('d2t.pt', 't2d.pt', 'counts.pt'):
+        assert (out / f).read_bytes() == before[f], f
+    assert (u['draft_vocab'], u['coverage'], u['previous_coverage'], u['from_dir']) == (
+        64,
+        s['coverage'],
+        s['coverage'],
+        str(mine),
+    )
+    assert (u['special_used'], u['special_outside'], u['supervised_tokens']) == (
+        s['special_used'],
+        [],
+        s['supervised_tokens'],
+    )
+    assert {f.name: f.read_bytes() for f in mine.iterdir()} == before  # never written
+    assert vocab_recipe(r, from_dir=str(mine)) == u  # same folder, same files: read back, not measured again
+    st = vocab_recipe(r, from_dir=str(mine), from_coverage=0.983)
+    assert st['previous_coverage'] == 0.983 and '98.30% stated for it' in vocab_summary(st)
+
+
+def test_vocab_reuse_refuses_broken_maps(smoke, tmp_path):
+    "A wrong length, maps that disagree, a wrong dtype, a missing file, the vocab folder: each named, none written"
+    import re
+
+    r, out = smoke, Path(smoke.data_root) / 'vocab'
+    merge_recipe(r, eval_fraction=0.2, seed=1)
+    vocab_recipe(r, draft_vocab=32, force=True)
+    d2t, t2d, _ = load_vocab(out)
+    unmarked, extra = t2d.clone(), t2d.clone()
+    unmarked[int(d2t[5]) + 5] = False
+    extra[int((~t2d).nonzero()[0])] = True
+
+    def folder(name, d, t=None):
+        p = tmp_path / name
+        p.mkdir()
+        torch.save(d, p / 'd2t.pt')
+        if t is not None:
+            torch.save(t, p / 't2d.pt')
+        return str(p)
+
+    kept = {f.name: f.read_bytes() for f in out.iterdir()}
+    for src, says in (
+        (folder('short', d2t, t2d[:4000]), 'short/t2d.pt: 4000 entries, but the target has 4096 ids'),
+        (folder('unmarked', d2t, unmarked), f'disagree: draft id 5 maps to target id {int(d2t[5]) + 5}'),
+        (folder('extra', d2t, extra), 'disagree: t2d marks 33 target ids, d2t maps 32'),
+        (folder('int32', d2t.int(), t2d), 'int32/d2t.pt: d2t must be a non-empty 1-D int64 tensor, not torch.int32'),
+        (folder('no_t2d', d2t), 'no_t2d has no t2d.pt'),
+        (str(out), 'the folder the vocab phase replaces'),
+    ):
+        with pytest.raises((ValueError, FileNotFoundError), match=re.escape(says)):
+            vocab_recipe(r, from_dir=src)
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == kept  # the vocabulary in place, as it was
 
 
 def test_generated_samples_join_as_a_later_input(smoke, tmp_path):

@@ -54,7 +54,7 @@ def test_catalog_numbers_equal_sql(smoke):
         assert d['source'] == 'catalog'
         assert (d['samples'], d['tokens'], d['conversations'], d['supervised']) == (s.samples, s.tokens, s.conv, s.sup)
         assert (d['main'], d['long'], d['excluded']) == (s.main, s.long, s.excluded)
-        assert num(ds[d['name']][6]) == s.samples and num(ds[d['name']][7]) == s.conv  # samples, conversations columns
+        assert num(ds[d['name']][9]) == s.samples and num(ds[d['name']][10]) == s.conv  # samples, conversations columns
         assert num(tok[d['name']][1]) == s.tokens and num(tok[d['name']][6]) == s.sup
         assert [num(x) for x in part[d['name']][1:4]] == [s.main, s.long, s.excluded]
     # the partition summary table against SQL over partitions
@@ -96,6 +96,7 @@ def test_kimi_recipe_checks():
 
     r = load_recipe(KIMI)
     assert sum(d.count for d in r.datasets) == 100_000 and r.target.aux_layers == [2, 30, 58]
+    assert all(d.repo and d.revision for d in r.datasets)  # every dataset downloaded first, at a revision
     main(['recipe', 'check', str(KIMI), '--elsewhere'])  # its data and model live on the cluster, not here
     with pytest.raises(SystemExit):
         main(['recipe', 'check', str(KIMI)])  # here, the paths are missing: said, exit 1
@@ -107,16 +108,26 @@ def test_kimi_recipe_checks():
 
 
 def _kimi_tokens(r):
-    "Hidden-state tokens of the Kimi recipe, computed here from the recipe alone"
-    p = r.phases['plan']
-    full = sum(
-        d.count * p['dataset_tokens'].get(d.name, p['mean_tokens']) for d in r.datasets if d.kind != 'prompt_only'
-    )
-    po = sum(d.count for d in r.datasets if d.kind == 'prompt_only')
-    return full + po * (p['prompt_tokens'] + p['response_tokens'])
+    "Hidden-state tokens of the Kimi recipe, computed here from the recipe alone, policy by policy"
+    p, mt = r.phases['plan'], r.phases['generate']['max_turns']
+    total = 0
+    for d in r.datasets:
+        mean = p['dataset_tokens'].get(d.name, p['mean_tokens'])
+        turns = p.get('dataset_turns', {}).get(d.name, 1)
+        answer = p.get('dataset_response_tokens', {}).get(d.name, p['response_tokens'])
+        if d.regenerate == 'once':
+            total += d.count * (p['prompt_tokens'] + answer)
+        elif d.regenerate == 'turns':
+            total += d.count * (p['dataset_prompt_tokens'].get(d.name, mean * 0.5) + turns * answer)
+        elif d.regenerate == 'prefix':
+            total += d.count * min(turns, mt) * (mean / 2 + answer)
+        else:
+            total += d.count * mean
+    return round(total)
 
 
 def test_kimi_plan_without_data(tmp_path, monkeypatch, capsys):
+    "The plan of the user's run from the recipe alone: their mix, every other model's answer regenerated, the disk"
     d = yaml.safe_load(KIMI.read_text())
     d['catalog'] = str(tmp_path / 'no' / 'catalog.duckdb')  # whatever this machine holds
     kimi = tmp_path / KIMI.name
@@ -124,38 +135,93 @@ def test_kimi_plan_without_data(tmp_path, monkeypatch, capsys):
     r = load_recipe(kimi)
     assert not Path(r.target.model).exists() and not Path(r.catalog).exists()
     Usage = namedtuple('Usage', 'total used free')
-    monkeypatch.setattr(shutil, 'disk_usage', lambda p: Usage(10**12, 0, 10**12))  # 1 TB free
+    monkeypatch.setattr(
+        shutil, 'disk_usage', lambda p: Usage(10**12, 0, 10**12)
+    )  # 1 TB free here: not the disk planned
     path = plan_cli(str(kimi), out=str(tmp_path))
     out = capsys.readouterr().out
-    assert f'wrote {path}' in out and 'does not fit' in out
     md = path.read_text()
-    assert path.name == 'train_plan_v1.md' and '# Train plan v1: kimi-k2.5-agentic-100k' in md
+    # the user's numbering goes on after their train_plan_v4.md
+    assert (
+        f'wrote {path}' in out and path.name == 'train_plan_v5.md' and '# Train plan v5: kimi-k2.5-agentic-100k' in md
+    )
     assert '= **21504** inputs' in md and 'Aux layers [2, 30, 58]' in md and '-> 21,504 = 3 x 7168' in md
-    gen = {row[0]: row for row in md_table(md, 'Generation')[1:]}
-    assert gen['main'][4:6] == ['10,240', '192'] and gen['long'][5] == '16'  # context, concurrency from the recipe
-    f = plan_facts(r, version=1)
-    assert all(d['source'] == 'estimate' for d in f['datasets'])
+    f = plan_facts(r, version=5)
+    ds = f['datasets']
+    # 10 datasets of 2K-15K, 100K in all, agentic-heavy; the plan shows the mix by category
+    assert len(ds) == 10 and all(2_000 <= x['count'] <= 15_000 for x in ds) and sum(x['count'] for x in ds) == 100_000
+    shares = {c['category']: float(c['share'].rstrip('%')) for c in f['categories']}
+    agentic = shares['tool use'] + shares['agentic coding'] + shares['Kimi-native agent traces']
+    assert agentic >= 40 and max(shares, key=shares.get) == 'tool use', shares
+    assert '\n## Mix\n' in md and '| tool use |' in md
+    # every sample answered by another model is regenerated, by its policy; the Kimi-native traces are kept
+    pol = {x['name']: x['policy'] for x in ds}
+    assert pol['hermes_kimi_traces'] == 'keep' and pol['ultrachat_prompts'] == 'once'
+    assert pol['sharegpt_vicuna'] == 'turns' and pol['swe_agent_trajectories'] == 'prefix'
+    native = sum(x['count'] for x in ds if x['kind'] == 'native')
+    g = f['generation']
+    assert g['samples'] == 100_000 - native == 92_500
+    assert {x['policy']: x['regenerated'] for x in g['policies']} == dict(
+        once=15_000, turns=39_000, prefix=38_500, keep=0
+    )
+    assert (
+        'regenerated by the target' in f['summary'] and '92,500 of 100,000' in f['summary']['regenerated by the target']
+    )
+    # the long partition gets the long agent trajectories, at its own concurrency
+    long = g['partitions']['long']
+    assert long['samples'] == 5_000 and long['concurrency'] == 16 and long['ctx'] == 32768
+    assert {x['name']: x['long'] for x in ds}['swe_rebench_openhands'] == 5_000
+    # the disk: the stated 11 TB with the headroom rule; the recipe extracts the mode that fits; the user's figure beside
     h = f['hidden']
     assert h['tokens'] == _kimi_tokens(r)
-    assert h['modes']['bf16']['bytes'] == h['tokens'] * bytes_per_token('bf16', 7168, 3, 64, 32000)
-    assert not h['fits'] and '**does not fit**' in md
-    monkeypatch.setattr(shutil, 'disk_usage', lambda p: Usage(10**15, 0, 10**15))  # 1 PB free: fits
-    f = plan_facts(r, version=2)
-    assert f['hidden']['fits'] and 'does not fit' not in plan_markdown(f)
+    assert h['free_bytes'] == 11e12 and h['disk_source'] == 'stated'
+    assert h['modes']['compact']['bytes'] == h['tokens'] * bytes_per_token('compact', 7168, 3, 64, 32000)
+    assert h['modes']['compact']['fits'] and not h['modes']['bf16']['fits'] and h['choice'] == ['compact']
+    assert h['need_bytes'] * 1.1 <= 11e12 and 'The headroom rule' in md
+    assert round(h['stated_tokens_per_sample']) == round(92e6 / bytes_per_token('bf16', 7168, 3))  # 1,604
+    assert 'Your figure, 92.0 GB per 1,000 samples' in md
+    # the user's measured rates are the stated assumptions; GPU-hours beside wall time; extraction through vLLM TP 8
+    assert g['gen_tok_s'] == 2370 and g['source'].startswith('stated')
+    e = f['extract']
+    assert e['engine'] == 'vllm' and abs(e['seconds'] - h['samples'] / 1.48) < 1
+    gh = {x['phase']: x for x in f['gpu_hours']}
+    assert gh['generate']['gpus'] == 32 and gh['extract']['gpus'] == 32 and gh['train']['gpus'] == 8
+    assert abs(gh['**total**']['gpu_hours'] - sum(gh[k]['gpu_hours'] for k in ('generate', 'extract', 'train'))) < 1e-6
+    assert '\n## Time and GPU-hours\n' in md
     cmds = '\n'.join(l for _, _, ls in f['commands'] for l in ls)
-    assert (
-        'eagle3nb prepare --format xlam --input /data/raw/Salesforce/xlam-function-calling-60k --name xlam_60k' in cmds
-    )
-    assert (
-        '--nnodes 4' in cmds
-        and 'eagle3nb extract RECIPE --modes bf16 --device-map auto' in cmds
-        and 'torchrun --nproc_per_node 8 -m eagle3nb train' in cmds
-    )
-    assert (
-        '--name xlam_60k --out /data/eagle3/kimi-k2.5-agentic-100k/prepared --count 20000 --seed 0 --license cc-by-4.0'
-        in cmds
-    )
-    assert '--speculative http://sglang-eagle3:30000/v1 --model kimi-k2.5' in cmds and '--concurrency 1,8,32' in cmds
+    assert 'eagle3nb download RECIPE' in cmds
+    ex = [l for l in cmds.splitlines() if l.startswith('vllm serve') and 'extract_hidden_states' in l]
+    assert len(ex) == 1 and '--tensor-parallel-size 8' in ex[0] and '--trust-remote-code' in ex[0]
+    assert 'eagle3nb extract RECIPE --engine vllm --modes compact' in cmds
+    # the goal as a gate, with serve-bench's break-even at today's numbers
+    q = f['goal']
+    assert q['min_accept'] == 3.0 and abs(q['break_even'] - 2.1 * 90 / 82.3) < 1e-9
+    assert 'pays above accept length **2.30**' in md and 'Accept length >= **3**' in md
+    # measured rates replace the stated ones: a generate and an extract row in the catalog's `rates`
+    from eagle3nb.catalog import connect, record_rate
+
+    r.catalog = str(tmp_path / 'cat' / 'catalog.duckdb')
+    Path(r.catalog).parent.mkdir()
+    with connect(r.catalog):
+        pass
+    record_rate(r.catalog, 'kimi-1', 'generate', tokens=4_000_000, seconds=1000.0, samples=2000, gpus=32)
+    record_rate(r.catalog, 'kimi-1', 'extract', tokens=9_000_000, seconds=300.0, detail=dict(nodes=1))
+    m = plan_facts(r, version=6)
+    assert m['generation']['gen_tok_s'] == 4000 and m['generation']['source'].startswith('measured: run kimi-1')
+    assert m['extract']['tok_s'] == 30_000 and m['extract']['source'].startswith('measured')
+    assert abs(m['extract']['seconds'] - h['tokens'] / (30_000 * 4)) < 1
+    assert m['generation']['seconds'] < f['generation']['seconds']
+    # bf16 planned on this disk would not fit: the plan names the mode that does
+    r2 = r.model_copy(deep=True)
+    r2.phases['extract']['modes'] = 'bf16'
+    h2 = plan_facts(r2, version=7)['hidden']
+    assert not h2['fits'] and h2['choice'] == ['compact']
+    assert '**set phases.extract.modes: compact**' in plan_facts(r2, version=7)['summary']['storage']
+    # no disk stated: the free space measured here (1 TB) decides, and nothing fits
+    r3 = r.model_copy(deep=True)
+    r3.phases['plan'] = {k: v for k, v in r3.phases['plan'].items() if k != 'disk_tb'}
+    h3 = plan_facts(r3, version=8)['hidden']
+    assert h3['free_bytes'] == 10**12 and not h3['fits'] and h3['choice'] == []
     # Kimi's deploy guidance: the engines run its own code and parse its tool calls (and, thinking, its reasoning)
     assert r.target.trust_remote_code and 'trust_remote_code' not in r.phases.get('doctor', {})
     kimi = '--trust-remote-code --tool-call-parser kimi_k2 --reasoning-parser kimi_k2'
@@ -167,8 +233,6 @@ def test_kimi_plan_without_data(tmp_path, monkeypatch, capsys):
     assert len(vl) == 2 and all(vkimi in l for l in vl), vl
     assert any('--speculative-algorithm EAGLE3' in l for l in sg) and any('"method": "eagle3"' in l for l in vl)
     assert '--served-model-name kimi-k2.5' in sg[0] and '--tp 8' in sg[0]
-    ex = [l for l in lines if l.startswith('vllm serve') and 'extract_hidden_states' in l]
-    assert len(ex) == 1 and '--trust-remote-code' in ex[0]
     assert all(
         '--trust-remote-code' in l
         for l in lines

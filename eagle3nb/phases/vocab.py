@@ -17,6 +17,12 @@ SMOKE_DRAFT_VOCAB = 256  # K of a smoke run: its corpus has a few thousand super
 class Params(_Params):
     draft_vocab: int = Field(32_000, description='K: draft head size, capped at the target vocabulary')
     force: bool = Field(False, description='recount even when vocab.json matches')
+    from_dir: str = Field(
+        '', description='reuse the d2t.pt and t2d.pt of this folder (an absolute path); empty means count'
+    )
+    from_coverage: float = Field(
+        0.0, ge=0, le=1, description="the coverage stated for the reused vocabulary; 0 means its vocab.json's, if any"
+    )
 
 
 class Record(_Record):
@@ -27,9 +33,13 @@ class Record(_Record):
     forced: list = []  # ids forced in (ranked outside the top K)
     special_outside: list = []  # special tokens left outside (must stay empty)
     coverage_at: list = []  # [{K, coverage}] of the top-K tokens, for the usual K
+    from_dir: str = ''  # the reused vocabulary's folder; empty when counted here
+    previous_coverage: float | None = None  # the coverage stated for the reused vocabulary
 
     def headline(self) -> str:
-        return super().headline() or f"draft vocab {self.draft_vocab}, coverage {self.coverage:.3f}"
+        was = f", {self.previous_coverage:.3f} stated" if self.previous_coverage else ''
+        reused = f" (reused from {self.from_dir}{was})" if self.from_dir else ''
+        return super().headline() or f"draft vocab {self.draft_vocab}, coverage {self.coverage:.3f}{reused}"
 
 # %% ../../nbs/96_phases/45_vocab.ipynb #86af1cd6
 EMPTY = 'empty corpus: the train split has no samples (the recipe lists no datasets yet?); no vocabulary chosen'
@@ -52,7 +62,7 @@ def run(ctx: RunContext, p: Params) -> Record:
         raise FileNotFoundError(f'{corpus}: no corpus; run the merge phase (40_merge) first')
     if cm['train'] == 0:
         return Record(skipped=EMPTY)
-    s = vocab_recipe(r, k, p.force)
+    s = vocab_recipe(r, k, p.force, p.from_dir or None, p.from_coverage or None)
     ks = (1_000, 8_000, 16_000, 32_000, 64_000, s['draft_vocab'])
     return Record(**s, out=str(out), coverage_at=coverage_at(torch.load(out / 'counts.pt'), ks))
 
@@ -62,4 +72,8 @@ def plot_record(rec: Record):  # the matplotlib Axes
     import torch
     from eagle3nb.vocab import plot_coverage
 
-    return plot_coverage(torch.load(Path(rec.out) / 'counts.pt'), rec.draft_vocab)
+    ax = plot_coverage(torch.load(Path(rec.out) / 'counts.pt'), rec.draft_vocab)
+    if rec.from_dir:  # the curve is a fresh top-K; the reused vocabulary's coverage is a point on the dashed line
+        ax.plot([rec.draft_vocab], [rec.coverage], 'o', c='C1', label=f'reused: {rec.coverage:.1%}')
+        ax.legend(loc='lower right')
+    return ax
