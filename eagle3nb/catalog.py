@@ -519,7 +519,8 @@ def record_downloads(
     timeout: float = None,
 ):
     "Insert or replace the `downloads` rows of `dataset`'s files"
-    sql = """INSERT OR REPLACE INTO downloads VALUES ($dataset, $file, $repo, $revision, $commit, $bytes, $sha256, now())"""
+    sql = """INSERT OR REPLACE INTO downloads
+      VALUES ($dataset, $file, $repo, $revision, $commit, $bytes, $sha256, now())"""
     with connect(path, timeout=timeout) as con:
         for r in rows:
             con.execute(
@@ -543,7 +544,8 @@ def record_rate(
 ):
     "Insert or replace what `phase` of run `run_id` measured; `tok_per_s` is derived"
     rate = tokens / seconds if seconds else None
-    sql = """INSERT OR REPLACE INTO rates VALUES ($run_id, $phase, $tokens, $samples, $seconds, $rate, $gpus, $detail, now())"""
+    sql = """INSERT OR REPLACE INTO rates
+      VALUES ($run_id, $phase, $tokens, $samples, $seconds, $rate, $gpus, $detail, now())"""
     args = dict(
         run_id=run_id,
         phase=phase,
