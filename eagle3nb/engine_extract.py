@@ -30,7 +30,7 @@ from eagle3nb.extract import (
     split_stop,
     store_dirs,
 )
-from .store import DiskLow, ShardWriter, record_index, sync_index
+from .store import TOPK_MODES, DiskLow, ShardWriter, record_index, sync_index
 from .recipe import Recipe
 from .target import target_config, text_config
 from .server import hold_lock, owned_by, reap_leftovers
@@ -370,10 +370,10 @@ def extract_engine_modes(
     client: EngineClient,  # requests to the running engine
     samples,  # datasets.Dataset or list of dicts: sample_id, input_ids, loss_mask
     outs: dict,  # mode -> store folder (one per mode, same split)
-    model_dir,  # the target's folder: config, final norm, lm_head (compact)
+    model_dir,  # the target's folder: config, final norm, lm_head (compact, nf4)
     aux_layers: list = None,  # input-of-layer ids; default [2, N//2, N-3]
     d2t=None,
-    topk: int = 64,  # as `extract.extract` (compact)
+    topk: int = 64,  # as `extract.extract` (compact, nf4)
     concurrency: int = 8,  # requests in flight
     shard_bytes: int = 1 << 30,
     catalog=None,
@@ -398,7 +398,7 @@ def extract_engine_modes(
     norm_w, eps = final_norm(model_dir)
     for k in sinks:
         k['w_draft'] = (
-            read_weight(model_dir, _HEAD_KEYS + _EMBED_KEYS)[k['P']['tids']] if k['mode'] == 'compact' else None
+            read_weight(model_dir, _HEAD_KEYS + _EMBED_KEYS)[k['P']['tids']] if k['mode'] in TOPK_MODES else None
         )  # (Vd, H)
         if catalog:
             sync_index(catalog, k['out'])

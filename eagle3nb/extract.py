@@ -19,12 +19,14 @@ from .target import load_model, text_config
 from . import store as _store
 from eagle3nb.store import (
     MODES,
+    TOPK_MODES,
     DiskLow,
     ShardWriter,
     bytes_per_token,
     done_ids,
     idx_dtype,
     quantize_fp8,
+    quantize_nf4,
     read_meta,
     record_index,
     shard_files,
@@ -257,7 +259,10 @@ def sample_tensors(row, a, f, mode, n_aux, w_draft, topk):
     out = dict(input_ids=torch.as_tensor(row['input_ids']), loss_mask=torch.as_tensor(row['loss_mask']))
     if mode == 'bf16':
         return {**out, 'aux': a.bfloat16().cpu(), 'final': f.bfloat16().cpu()}
-    q, s = quantize_fp8(a.view(T, n_aux, -1))  # (T, n_aux, H) fp8, (T, n_aux)
+    if mode == 'nf4':
+        q, s = quantize_nf4(a.view(T, n_aux, -1))  # (T, n_aux*H/2) uint8, (T, n_aux*H/32) bf16
+    else:
+        q, s = quantize_fp8(a.view(T, n_aux, -1))  # (T, n_aux, H) fp8, (T, n_aux)
     p, i = topk_draft_probs(f.to(w_draft.device), w_draft, topk)  # device_map='auto' may put lm_head on another GPU
     return {**out, 'aux': q.view(T, -1).cpu(), 'aux_scale': s.cpu(), 'topk_p': p.cpu(), 'topk_idx': i.cpu()}
 
@@ -369,10 +374,10 @@ def _one_batch(model, rows, P, sinks, st, topk, dev):
 def extract_modes(
     model,  # a loaded target (`load_target`)
     samples,  # datasets.Dataset or list of dicts: sample_id, input_ids, loss_mask
-    outs: dict,  # mode ('bf16' or 'compact') -> store folder, one split
+    outs: dict,  # mode (bf16, compact, nf4) -> store folder, one split
     aux_layers: list = None,  # input-of-layer ids; default [2, N//2, N-3]
-    d2t=None,  # (Vd,) draft vocab offsets; compact only; None: the whole target vocab
-    topk: int = 64,  # compact: probabilities kept per token
+    d2t=None,  # (Vd,) draft vocab offsets; compact and nf4 only; None: the whole target vocab
+    topk: int = 64,  # compact, nf4: probabilities kept per token
     token_budget: int = 16384,  # tokens per forward (batch size x longest sample)
     max_pad: float = 0.0,  # padded share allowed per batch (0 keeps results bit-exact)
     shard_bytes: int = 1 << 30,  # shard size
@@ -399,7 +404,7 @@ def extract_modes(
         on_shard = (lambda out: lambda path, rows: record_index(catalog, out, rows))(out) if catalog else None
         k.update(
             todo={Pk['ids'][j] for j in Pk['todo']},
-            w_draft=w[Pk['tids'].to(w.device)] if k['mode'] == 'compact' else None,  # (Vd, H)
+            w_draft=w[Pk['tids'].to(w.device)] if k['mode'] in TOPK_MODES else None,  # (Vd, H)
             wr=ShardWriter(out, Pk['meta'], shard_bytes, prefix=f'r{rank:03d}', on_shard=on_shard, reserve=reserve),
             st=dict(
                 samples=0,
@@ -592,7 +597,7 @@ def _names(csv: str) -> list:
 # %% ../nbs/50_extract.ipynb #70ec153b
 def extraction_request(
     r: Recipe,  # resolved, its target built (`target_built`)
-    modes: str = 'bf16',  # comma-separated: bf16, compact
+    modes: str = 'bf16',  # comma-separated: bf16, compact, nf4
     splits: str = 'train,eval',  # corpus splits
     log=print,
 ) -> dict | None:  # root, modes, corpora, aux_layers, n_layers, d2t, target, template_sha256; None: nothing to do
@@ -608,9 +613,9 @@ def extraction_request(
         return None
     trc = r.target.trust_remote_code
     ts = target_summary(r.target.model, r.target.aux_layers, trc)
-    d2t = load_d2t(root / 'vocab') if 'compact' in ml else None
-    if 'compact' in ml and d2t is None:
-        log(f'no draft vocab in {root / "vocab"}: compact mode uses the whole target vocabulary')
+    d2t = load_d2t(root / 'vocab') if set(ml) & set(TOPK_MODES) else None
+    if set(ml) & set(TOPK_MODES) and d2t is None:
+        log(f'no draft vocab in {root / "vocab"}: compact and nf4 use the whole target vocabulary')
     tsha = template_sha256(load_tokenizer(r.target.model, trc))
     aux, n = ts['aux_layers'], ts['num_hidden_layers']
     return dict(
@@ -655,7 +660,7 @@ def split_stop(req: dict, sts: dict, log=print) -> dict | None:  # the stop's fa
 # %% ../nbs/50_extract.ipynb #c226c045
 def extract_recipe(
     recipe,  # recipe YAML path or resolved `Recipe`
-    modes='bf16',  # comma-separated: bf16, compact
+    modes='bf16',  # comma-separated: bf16, compact, nf4
     splits='train,eval',  # corpus splits
     topk: int = 64,
     token_budget: int = 16384,

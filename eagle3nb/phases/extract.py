@@ -14,10 +14,11 @@ from ..phase import Params as _Params, Record as _Record, RunContext, phase, wri
 # %% ../../nbs/96_phases/50_extract.ipynb #3cd64fd2
 class Params(_Params):
     modes: str = Field(
-        '', description='comma-separated modes (bf16, compact); empty means bf16 for a recipe, both for the smoke run'
+        '',
+        description='comma-separated modes (bf16, compact, nf4); empty means bf16 for a recipe, all three for the smoke run',
     )
     splits: str = Field('train,eval', description='corpus splits to extract')
-    topk: int = Field(64, description='compact mode: target probabilities kept per token')
+    topk: int = Field(64, description='compact and nf4 modes: target probabilities kept per token')
     token_budget: int = Field(16384, description='tokens per forward (batch size x longest sample)')
     max_pad: float = Field(
         0.0, description='share of padding allowed per batch; 0 batches equal lengths only and stays bit-exact'
@@ -104,10 +105,11 @@ def run(ctx: RunContext, p: Params) -> Record:
     import time
     from eagle3nb.engine_extract import extract_context_engine
     from eagle3nb.extract import ExtractionStopped, extract_recipe, stop_message
+    from eagle3nb.store import MODES
 
     if p.engine not in ENGINES:
         raise ValueError(f"engine {p.engine!r}: use hf or vllm")
-    modes = p.modes or ('bf16,compact' if ctx.smoke else 'bf16')
+    modes = p.modes or (','.join(MODES) if ctx.smoke else 'bf16')
     t0, dm = time.perf_counter(), None  # dm: the HF path's device map
     if ctx.smoke:
         corpus = ctx.data_root / 'corpus' / 'train'
@@ -239,4 +241,6 @@ def planned_sizes(topk: int = 64, H: int = 7168) -> dict:  # mode -> bytes per t
     "Bytes per token of each mode for a target of hidden size `H` (Kimi-K2.5's by default)"
     from eagle3nb.store import bytes_per_token
 
-    return dict(bf16=bytes_per_token('bf16', H), compact=bytes_per_token('compact', H, topk=topk))
+    from eagle3nb.store import MODES
+
+    return {m: bytes_per_token(m, H, topk=topk) for m in MODES}

@@ -34,8 +34,9 @@ def _zero(what: str, k: str) -> str:
 # %% ../../nbs/96_phases/60_train.ipynb #f7423eed
 class Params(_Params):
     mode: str = Field(
-        '', description='hidden-state store to read (bf16 or compact); empty means whichever exists, bf16 first'
+        '', description='hidden-state store to read (bf16, compact or nf4); empty means whichever exists, in that order'
     )
+    seed: int = Field(0, description="the draft's initial weights and the order of the samples")
     max_steps: int = Field(0, description=_zero('optimizer steps', 'max_steps'))
     warmup_steps: int = Field(0, description=_zero('linear warmup steps', 'warmup_steps'))
     lr: float = Field(0.0, description=_zero('peak learning rate', 'lr'))
@@ -73,7 +74,8 @@ def train_config(p: Params, smoke: bool):  # -> train.TrainConfig
     from eagle3nb.train import TrainConfig
 
     v = {k: getattr(p, k) or ZERO_MEANS[k][0 if smoke else 1] for k in ZERO_MEANS}
-    return TrainConfig(ttt_steps=p.ttt_steps, mask_rule=p.mask_rule, log_every=math.gcd(10, v['ckpt_every']), **v)
+    lg = math.gcd(10, v['ckpt_every'])
+    return TrainConfig(ttt_steps=p.ttt_steps, mask_rule=p.mask_rule, log_every=lg, seed=p.seed, **v)
 
 # %% ../../nbs/96_phases/60_train.ipynb #4b789b5b
 @dataclass
@@ -87,7 +89,7 @@ class Inputs:
     config: object  # the target's (text) config
     d2t: object  # (Vd,) tensor: draft -> target id offsets
     t2d: object  # (V,) bool tensor: target ids in the draft vocab
-    mode: str = ''  # the store read: bf16 or compact; '' for the smoke run's samples in memory
+    mode: str = ''  # the store read: bf16, compact or nf4; '' for the smoke run's samples in memory
     dataset_of: dict | None = None  # sample_id -> dataset, for per-dataset reports of store rows
 
 
@@ -114,18 +116,16 @@ def dataset_map(root) -> dict | None:  # sample_id -> dataset
 
 
 def store_inputs(ctx: RunContext, mode: str = '') -> Inputs | str:  # the inputs, or why there are none
-    "A recipe's: the `mode` store (default bf16, else compact) of the extract phase, the vocab phase's maps"
-    from eagle3nb.store import HiddenStates, shard_files
+    "A recipe's: the `mode` store (default the first of bf16, compact, nf4 there is) of the extract phase, the vocab phase's maps"
+    from eagle3nb.store import MODES, HiddenStates, shard_files
     from eagle3nb.train import target_tensors
     from eagle3nb.target import text_config
     from eagle3nb.vocab import load_vocab
 
     root = ctx.data_root
-    found = [m for m in ((mode,) if mode else ('bf16', 'compact')) if shard_files(root / 'hidden' / m / 'train')]
+    found = [m for m in ((mode,) if mode else MODES) if shard_files(root / 'hidden' / m / 'train')]
     if not found:
-        return (
-            f'no extracted hidden states in {root}/hidden/{mode or "{bf16,compact}"}/train: run the extract phase first'
-        )
+        return f'no extracted hidden states in {root}/hidden/{mode or "{" + ",".join(MODES) + "}"}/train: run the extract phase first'
     if not (root / 'vocab' / 'd2t.pt').exists():
         return f'no draft vocabulary in {root}/vocab: run the vocab phase first'
     mode, hidden = found[0], root / 'hidden' / found[0]
@@ -133,10 +133,10 @@ def store_inputs(ctx: RunContext, mode: str = '') -> Inputs | str:  # the inputs
     tt = target_tensors(ctx.target)  # kept in their dtype (bf16: half the memory)
     c = text_config(ctx.target)  # a VLM package: its language model's
     return Inputs(
-        train=HiddenStates(hidden / 'train'),
-        eval=HiddenStates(hidden / 'eval') if shard_files(hidden / 'eval') else None,
+        train=HiddenStates(hidden / 'train', raw=True),  # compact, nf4: dequantized on the device, in collate
+        eval=HiddenStates(hidden / 'eval', raw=True) if shard_files(hidden / 'eval') else None,
         embed=tt['embed'],
-        lm_head=tt['lm_head'] if mode == 'bf16' else None,  # compact samples carry top-k probabilities instead
+        lm_head=tt['lm_head'] if mode == 'bf16' else None,  # compact and nf4 samples carry top-k probabilities
         config=SimpleNamespace(**c),
         d2t=d2t,
         t2d=t2d,
@@ -179,6 +179,8 @@ def accept_rows(
 # %% ../../nbs/96_phases/60_train.ipynb #6b8b8f08
 class Record(_Record):
     mode: str = ''  # the store trained on; '' for the smoke run's samples in memory
+    seed: int = 0
+    tokens_per_s: float | None = None  # tokens trained on a second (all ranks), from the last metrics line
     steps: int = 0  # optimizer steps of the run (a rerun resumes up to them)
     train_samples: int = 0
     eval_samples: int = 0
@@ -209,7 +211,7 @@ _FAMILY = ('arch', 'fc_norm', 'norm_before_fc', 'norm_output', 'rope_scaling')
 def run(ctx: RunContext, p: Params) -> Record:
     "Train the draft on the run's inputs (resuming from `run_dir`'s last checkpoint); the accept table before and after"
     from eagle3nb.draft import new_draft
-    from eagle3nb.train import evaluate, latest_checkpoint, train
+    from eagle3nb.train import evaluate, latest_checkpoint, read_metrics, train
 
     say = print if ctx.rank == 0 else (lambda *a: None)
     inp = smoke_inputs(ctx) if ctx.smoke else store_inputs(ctx, p.mode)
@@ -219,7 +221,7 @@ def run(ctx: RunContext, p: Params) -> Record:
     n_eval = len(inp.eval) if inp.eval is not None else 0
     say(f"{inp.mode or 'smoke'}: {len(inp.train)} train / {n_eval} eval samples; draft vocab {len(inp.d2t)}")
     cfg, k = train_config(p, ctx.smoke), p.ttt_steps
-    draft = new_draft(inp.config, inp.embed, inp.d2t, inp.t2d, seed=0, **p.draft).to(ctx.device)
+    draft = new_draft(inp.config, inp.embed, inp.d2t, inp.t2d, seed=p.seed, **p.draft).to(ctx.device)
     say('draft:', {a: getattr(draft.config, a) for a in _FAMILY})
     ev = lambda samples: evaluate(draft, samples, k, lm_head=inp.lm_head, dataset_of=inp.dataset_of)
     accept = accept_rows(ev(inp.eval), 'eval', k, ' (init)') if n_eval else {}
@@ -227,13 +229,17 @@ def run(ctx: RunContext, p: Params) -> Record:
     kw = dict(eval_samples=inp.eval, lm_head=inp.lm_head, device=ctx.device, dataset_of=inp.dataset_of, log=say)
     train(draft, inp.train, ctx.run_dir, cfg, **kw)
     secs, n_par = time.time() - t0, sum(t.numel() for t in draft.parameters() if t.requires_grad)
-    say(f'{cfg.max_steps} steps in {secs:.1f}s; {n_par:,} trained parameters')
+    last = [m for m in read_metrics(ctx.run_dir) if m['split'] == 'train' and m.get('tokens')][-1:]
+    tok_s = round(last[0]['tokens'] / last[0]['s'], 1) if last and last[0]['s'] else None
+    say(f'{cfg.max_steps} steps in {secs:.1f}s ({tok_s} tokens/s); {n_par:,} trained parameters')
     accept |= accept_rows(ev(inp.eval), 'eval', k) if n_eval else {}
     accept |= accept_rows(ev(inp.train), 'train', k) if ctx.smoke else {}  # the toy's eval text is unpredictable
     if ctx.rank == 0:
         write_json(Path(ctx.run_dir) / 'accept.json', accept)
     return Record(
         mode=inp.mode,
+        seed=p.seed,
+        tokens_per_s=tok_s,
         steps=cfg.max_steps,
         train_samples=len(inp.train),
         eval_samples=n_eval,
