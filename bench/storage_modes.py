@@ -3,6 +3,7 @@ trained on each mode.
 
     OMP_NUM_THREADS=1 EAGLE3NB_VLLM=/work/main/.venv-vllm .venv/bin/python bench/storage_modes.py \
         [--recipes demo,kimi-k25-demo --modes bf16,compact,nf4 --seeds 0,1,2 --n 16 --max-tokens 48 --k 3]
+        [--max-steps kimi-k25-demo=400]
         [--work DIR] [--json out.json] [--read-only]
 
 Per recipe (recipes/<name>.yaml, its data moved under --work, its trained toy target from the toy cache):
@@ -12,8 +13,8 @@ Per recipe (recipes/<name>.yaml, its data moved under --work, its trained toy ta
    `seed` setting the draft's initial weights and the sample order; the export phase writes it;
 3. `eagle3nb.verify.verify` serves each export in vLLM beside the target alone on the same held-out prompts (one
    baseline server for the recipe): greedy identity, served accept length = 1 + accepted / drafts at k.
-Then, at H = 7168: the training's read path (`HiddenStates[i]`, what a DataLoader worker does: slice the mapped
-shard, dequantize) over a synthetic store of each mode, tokens/s and the growth of the process's RSS side by side. Results are kept in --work/<recipe>/results.jsonl: a rerun skips
+Then, at H = 7168: the training's read path (`HiddenStates(raw=True)[i]` then `train.aux_states`: slice the mapped
+shard, aux states to float32, dequantized where the draft trains: here the CPU) over a synthetic store of each mode, tokens/s and the growth of the process's RSS side by side. Results are kept in --work/<recipe>/results.jsonl: a rerun skips
 the pairs it has (kill it at any point and rerun).
 """
 
@@ -34,6 +35,7 @@ def args():
     a('--n', type=int, default=16, help='held-out prompts served')
     a('--max-tokens', type=int, default=48)
     a('--k', type=int, default=3)
+    a('--max-steps', default='', help='override phases.train.max_steps, per recipe: name=steps,...')
     a('--work', default=str(ROOT / 'data' / 'bench-storage'))
     a('--json', default=None)
     a('--read-only', action='store_true', help='only the H=7168 read-path comparison')
@@ -115,6 +117,9 @@ def bench_recipe(name: str, a) -> dict:
         rows = [json.loads(l) for l in res_path.read_text().splitlines() if l]
     ctx0 = RunContext.open(str(recipe), work / 'runs' / 'session')
     tp = ctx0.phase_params('train')
+    steps = dict(kv.split('=') for kv in a.max_steps.split(',') if kv)
+    if name in steps:
+        tp['max_steps'] = int(steps[name])  # every mode and seed the same
     try:
         for seed in seeds:
             for mode in modes:
@@ -125,8 +130,11 @@ def bench_recipe(name: str, a) -> dict:
                 rows.append(row)
                 with res_path.open('a') as f:
                     f.write(json.dumps(row) + '\n')
-                print(f"  {mode:8s} seed {seed}: served {row['served']}, offline {row['offline_served']}, "
-                      f"greedy {row['greedy']}, {row['tokens_per_s']} tok/s ({time.time() - t1:.0f} s)", flush=True)
+                print(
+                    f"  {mode:8s} seed {seed}: served {row['served']}, offline {row['offline_served']}, "
+                    f"greedy {row['greedy']}, {row['tokens_per_s']} tok/s ({time.time() - t1:.0f} s)",
+                    flush=True,
+                )
     finally:
         ctx0.engines.close()
     disk = {m: disk_per_token(Path(ctx0.data_root) / 'hidden' / m / 'train') for m in modes}
@@ -189,6 +197,7 @@ def read_path(a, modes) -> list:
     import psutil
     from eagle3nb.extract import sample_tensors
     from eagle3nb.store import HiddenStates, ShardWriter, shard_meta
+    from eagle3nb.train import aux_states
 
     H, n_aux, Vd, T, N = 7168, 3, 32000, a.read_tokens, a.read_samples
     g = torch.Generator().manual_seed(0)
@@ -203,12 +212,12 @@ def read_path(a, modes) -> list:
         w.flush()
     proc = psutil.Process()
     for m in modes:
-        ds, rss0, peak = HiddenStates(d / m), proc.memory_info().rss, 0
+        ds, rss0, peak = HiddenStates(d / m, raw=True), proc.memory_info().rss, 0  # raw: as the train phase reads
         t0 = time.perf_counter()
-        for i in range(N):  # what a DataLoader worker does per sample: slice the mapped shard, dequantize
-            s = ds[i]
+        for i in range(N):  # per sample, what training does before the draft: read the slice, aux to float32 there
+            x = aux_states(ds[i], 'cpu')  # on a GPU the dequantization runs there (collate); here on the CPU
             peak = max(peak, proc.memory_info().rss - rss0)
-            del s
+            del x
         sec = time.perf_counter() - t0
         out.append(dict(mode=m, tokens_per_s=N * T / sec, rss_growth_mb=peak / 2**20, tokens=N * T))
     return out
@@ -225,7 +234,9 @@ def main():
             print_summary(b)
     rp = read_path(a, modes)
     report['read_path'] = rp
-    print(f"\ntraining's read path at H=7168 ({a.read_samples} samples x {a.read_tokens} tokens, one sample at a time):")
+    print(
+        f"\ntraining's read path at H=7168 ({a.read_samples} samples x {a.read_tokens} tokens, one sample at a time):"
+    )
     base = next((r['tokens_per_s'] for r in rp if r['mode'] == 'bf16'), None)
     for r in rp:
         x = f" ({r['tokens_per_s'] / base:.2f}x bf16)" if base else ''

@@ -159,6 +159,7 @@ def training_record(
     data_root,  # the recipe's data root, e.g. data/<recipe>
     checkpoint_dir=None,  # the checkpoint being exported (recorded as is)
     target_dir=None,  # the target model folder (recorded as is)
+    hidden_mode: str = None,  # the store training read (the train phase's record); None: the only store there is
 ) -> dict:
     "What the draft was trained on: aux layers of its hidden states, chat-template hashes, supervised special tokens"
     from safetensors import SafetensorError
@@ -179,6 +180,13 @@ def training_record(
                     shard_meta.append({k: json.loads(v) for k, v in (s.metadata() or {}).items()})
             except (SafetensorError, json.JSONDecodeError) as e:
                 raise bad_file(shards[0], e, again('extract'), 'safetensors') from None
+    stores = {
+        m['mode']: {k: m.get(k) for k in ('format', 'dtype', 'hidden_size', 'layer_ids', 'topk', 'draft_vocab_size')}
+        for m in shard_meta
+        if 'mode' in m
+    }
+    if hidden_mode is None and len(stores) == 1:
+        hidden_mode = next(iter(stores))
     aux = _distinct(tuple(m['layer_ids']) for m in shard_meta if 'layer_ids' in m)
     if len(aux) > 1:
         raise ExportError(f"{root}/hidden: stores extracted at different aux layers {aux}; re-extract one of them")
@@ -198,6 +206,8 @@ def training_record(
         tokenizer_sha256=toks[0] if len(toks) == 1 else None,
         special_tokens=special,
         draft_vocab_size=vocab.get('draft_vocab'),
+        hidden_stores=stores,  # mode -> its shards' format, dtype, hidden size, layers, top-k
+        hidden_mode=hidden_mode,  # the one the draft was trained on; None when unknown
     )
 
 
@@ -230,6 +240,7 @@ def export_draft(
     aux_layers=None,  # input-of-layer aux ids; default: the hidden states' (with `data_root`), else [2, N//2, N-3]
     data_root=None,  # the recipe's data root: writes the training record `eagle3nb.json` that `doctor` reads
     trust_remote_code: bool = False,  # for the target's config (`target.trust_remote_code`)
+    hidden_mode: str = None,  # the hidden-state store the draft was trained on, for the record (`training_record`)
 ) -> dict:
     "Write `config.json` and bf16 `model.safetensors` for the engines (and `eagle3nb.json`); return the config"
     out = claim_output(out_dir, 'export')
@@ -237,7 +248,7 @@ def export_draft(
     t = _target_text_cfg(target_dir, trust_remote_code)
     if dc['vocab_size'] != t.vocab_size:
         raise ExportError(f"draft vocab_size {dc['vocab_size']} != target's {t.vocab_size}")
-    rec = training_record(data_root, checkpoint_dir, target_dir) if data_root else None
+    rec = training_record(data_root, checkpoint_dir, target_dir, hidden_mode) if data_root else None
     aux = _aux_for(aux_layers, rec, t.num_hidden_layers)
     _check_aux_range(aux, t.num_hidden_layers)
     cfg = export_config(dc, aux)

@@ -36,7 +36,7 @@ class PlanParams(Params):
     gpus: int = Field(8, description='training GPUs, all nodes together')
     gpus_per_node: int = Field(8, description='GPUs per node (torchrun --nproc_per_node)')
     epochs: float = Field(2.0, description='passes over the train split')
-    modes: str = Field('bf16,compact', description='storage modes to size on disk')
+    modes: str = Field('bf16,compact,nf4', description='storage modes to size on disk')
     mean_tokens: int = Field(2_000, description='tokens per sample of a dataset not in the catalog yet')
     dataset_tokens: dict = Field({}, description='per-dataset mean_tokens as dataset name -> tokens')
     dataset_turns: dict = Field(
@@ -1149,7 +1149,7 @@ def _sec_cost(f: dict) -> list:
         '## Hidden states on disk',
         f"{fmt_n(h['tokens'])} tokens x bytes per token (`eagle3nb.store.bytes_per_token`: "
         f"H={f['target']['hidden_size']}, "
-        f"{len(f['target']['aux_layers'])} aux layers, compact top-{h['topk']} over a "
+        f"{len(f['target']['aux_layers'])} aux layers, compact and nf4 top-{h['topk']} over a "
         f"{fmt_n(h['draft_vocab'])}-token draft vocabulary). "
         f"The disk: {h['disk']}. The headroom rule: a mode fits when its bytes x "
         f"{p['disk_margin']} do, so {fmt_bytes(h['free_bytes'] * (1 - 1 / p['disk_margin']))} stay free for the spool, "
@@ -1338,7 +1338,8 @@ def write_plan(
     first = plan_params(r, **params).version
     while True:
         path = next_plan_path(out, first)
-        f = plan_facts(r, version=plan_version(path), recipe_path=rp, **params)
+        rest = {k: v for k, v in params.items() if k != 'version'}  # `version` is where the numbering starts
+        f = plan_facts(r, version=plan_version(path), recipe_path=rp, **rest)
         fd, tmp = tempfile.mkstemp(prefix=f'.{path.name}.tmp-', dir=out)  # a fresh name: never a user's file
         tmp = Path(tmp)
         os.fchmod(fd, 0o644)

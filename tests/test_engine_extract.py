@@ -17,7 +17,16 @@ from eagle3nb.engine_extract import extract_server, extract_recipe_engine, spool
 from eagle3nb.extract import extract, load_target, target_id
 from eagle3nb.recipe import parse_recipe, resolve, save_recipe
 from eagle3nb.render import load_tokenizer, template_sha256
-from eagle3nb.store import HiddenStates, read_index, read_meta, shard_files, validate, dequantize_fp8
+from eagle3nb.store import (
+    HiddenStates,
+    NF4_GROUP,
+    nf4_bound,
+    read_index,
+    read_meta,
+    shard_files,
+    validate,
+    dequantize_fp8,
+)
 from eagle3nb.target import target_summary
 from eagle3nb.toy import ensure_toy
 
@@ -134,20 +143,33 @@ def qwen3(tmp_path_factory):
 
 def test_qwen3_engine_store_equals_hf_store(qwen3):
     """bf16 and compact stores through vLLM match the HF path's sample by sample; same metadata; indexed in the catalog.
-    Both modes come from one request per sample, also when only one store lacks a sample"""
+    nf4 from the same requests is the engine's bf16 store within the NF4 bound, its top-k compact's.
+    All modes come from one request per sample, also when only one store lacks a sample"""
     tmp, ts = qwen3['tmp'] / 'eq', qwen3['ts']
     r = recipe_for(tmp, 'qwen3-tiny', endpoints=[qwen3['srv'].base_url])
     r.phases = dict(extract=dict(spool=str(qwen3['spool']), concurrency=4))
     corpus(Path(r.data_root), ts['vocab_size'], 24, 5, 120)
     t0 = time.perf_counter()
-    rows = extract_recipe_engine(r, modes='bf16,compact', splits='train', progress=False, log=lambda *a: None)
+    rows = extract_recipe_engine(r, modes='bf16,compact,nf4', splits='train', progress=False, log=lambda *a: None)
     print(
         f"qwen3 engine extraction: {[(x['mode'], x['new_samples'], x['tokens'], x['tokens_per_s']) for x in rows]} in {time.perf_counter() - t0:.1f} s"
     )
     assert [(x['mode'], x['new_samples'], x['skipped'], x['requests']) for x in rows] == [
         ('bf16', 24, 0, 24),
         ('compact', 24, 0, 24),
+        ('nf4', 24, 0, 24),
     ]
+    root = Path(r.data_root)
+    assert validate(root / 'hidden' / 'nf4' / 'train')['problems'] == []
+    bf, cp = HiddenStates(root / 'hidden' / 'bf16' / 'train'), HiddenStates(root / 'hidden' / 'compact' / 'train')
+    raw = HiddenStates(root / 'hidden' / 'nf4' / 'train', raw=True)
+    for i, s in enumerate(HiddenStates(root / 'hidden' / 'nf4' / 'train')):
+        T = len(s['input_ids'])
+        assert bf.rows[i]['sample_id'] == s['sample_id'] == cp.rows[i]['sample_id']
+        ref = bf[i]['aux'].float().view(T, -1, NF4_GROUP)
+        err = (s['aux'].float().view(T, -1, NF4_GROUP) - ref).abs()
+        assert (err <= nf4_bound(raw[i]['aux_scale'])[..., None] + ref.abs() * 2**-7).all()
+        assert torch.equal(s['topk_idx'], cp[i]['topk_idx'])
     ds = load_from_disk(str(Path(r.data_root) / 'corpus' / 'train'))
     root = Path(r.data_root)
     for mode in ('bf16', 'compact'):

@@ -241,6 +241,22 @@ def test_kimi_plan_without_data(tmp_path, monkeypatch, capsys):
     assert '"tp": 8' in md and 'phases.export' in md  # the launch's parameters, among the phases' in the plan
 
 
+def test_plan_verb_on_the_kimi_recipe(tmp_path):
+    "`eagle3nb plan RECIPE` (the phase's verb) writes the recipe's first version, with every storage mode's terabytes"
+    from eagle3nb.cli import main
+
+    d = yaml.safe_load(KIMI.read_text())
+    d['catalog'] = str(tmp_path / 'no' / 'catalog.duckdb')
+    kimi = tmp_path / KIMI.name
+    kimi.write_text(yaml.safe_dump(d, sort_keys=False))
+    main(['plan', str(kimi), '--run-dir', str(tmp_path / 'run'), '--no-progress'])  # phases.plan.version: 5
+    md = (tmp_path / 'run' / 'train_plan_v5.md').read_text()
+    tokens = plan_facts(load_recipe(kimi), version=5)['hidden']['tokens']
+    for m in ('bf16', 'compact', 'nf4'):
+        bpt = bytes_per_token(m, 7168, 3, 64, 32000)
+        assert f'| {m} | ' in md and f'| {bpt:,} | {tokens * bpt / 1e12:.1f} TB |' in md, m
+
+
 def test_launch_lines_follow_the_target(smoke):
     "A recipe without trust_remote_code: none on our verbs or the extraction server; the draft's launch keeps it"
     from eagle3nb.plan import PHASE_DEFAULTS

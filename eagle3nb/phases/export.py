@@ -52,13 +52,17 @@ def _checkpoint(ctx: RunContext, p: Params) -> Path | None:
 def run(ctx: RunContext, p: Params) -> Record:
     "Export the run's checkpoint, check the result, and write its launch commands into the run folder"
     from eagle3nb.export import check_export, export_draft, launch_commands, sglang_problem, write_launch_scripts
+    from eagle3nb.phases.train import run as train_phase
 
     ck = _checkpoint(ctx, p)
     if ck is None:
         return Record(skipped='the recipe lists no datasets, so nothing was trained')
     out = Path(p.out or ctx.data_root / 'export')
     data_root = None if ctx.smoke else ctx.data_root  # no training record in a smoke run: a random draft
-    cfg = export_draft(ck, out, ctx.target, data_root=data_root, trust_remote_code=ctx.trust_remote_code)
+    trained = train_phase.read(ctx.run_dir)  # this run's train record: which store it read
+    hm = trained.mode if trained is not None and trained.mode else None
+    kw = dict(data_root=data_root, trust_remote_code=ctx.trust_remote_code, hidden_mode=hm)
+    cfg = export_draft(ck, out, ctx.target, **kw)
     if problems := check_export(out):
         raise ValueError(f'{out}: the export fails its checks: {problems}')
     kw = dict(tp=p.tp, num_steps=p.num_steps, topk=p.topk, thinking=ctx.recipe.target.thinking)
