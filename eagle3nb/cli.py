@@ -165,28 +165,33 @@ def _render(a):
 
 
 def _export(a):
-    "eagle3nb export CHECKPOINT --out DIR [--target DIR] [--data DATA_ROOT]: a checkpoint the engines load as EAGLE3"
-    from eagle3nb.export import export_draft, check_export, run_defaults
+    "eagle3nb export RUN_OR_CHECKPOINT [--checkpoint best|latest|step_N] --out DIR [--target DIR] [--data DATA_ROOT]"
+    from eagle3nb.export import choose_checkpoint, export_draft, check_export, run_defaults
 
-    run = run_defaults(a.checkpoint) if not (a.target and a.data) else {}
+    choice = choose_checkpoint(a.checkpoint, a.rule)
+    ck = choice['checkpoint']
+    print(f"exporting {ck} ({choice['rule']}): {choice['why']}", file=sys.stderr)
+    run = run_defaults(ck) if not (a.target and a.data) else {}
     target, data = a.target or run.get('target'), a.data or run.get('data_root')
     if not target:
         raise ValueError(
-            f"{a.checkpoint} is not inside a run folder (papermill_runs/<run_id>/checkpoints/step_N next to "
+            f"{ck} is not inside a run folder (papermill_runs/<run_id>/checkpoints/step_N next to "
             "recipe.yaml): pass --target TARGET_DIR"
         )
     from eagle3nb.recipe import model_dir
 
     cfg = export_draft(
-        a.checkpoint,
+        ck,
         a.out,
         model_dir(target),
         aux_layers=_ints(a.aux_layers, '--aux-layers') if a.aux_layers else None,
         data_root=data,
         trust_remote_code=a.trust_remote_code or run.get('trust_remote_code', False),
+        choice=choice,
     )
     problems = check_export(a.out)
-    print(json.dumps(dict(out=a.out, architectures=cfg['architectures'], problems=problems), indent=1))
+    took = dict(checkpoint=str(ck), step=choice['step'], rule=choice['rule'], why=choice['why'])
+    print(json.dumps(dict(out=a.out, architectures=cfg['architectures'], problems=problems, **took), indent=1))
     if problems:
         sys.exit(1)
 
@@ -449,7 +454,18 @@ def parser(suppress: bool = False) -> argparse.ArgumentParser:
         help='write an engine-ready EAGLE3 draft: config.json + bf16 model.safetensors (export RECIPE: the phase)',
     )
     xp.set_defaults(fn=_export)
-    xp.add_argument('checkpoint', help='a training checkpoint folder, e.g. checkpoints/step_1000')
+    xp.add_argument(
+        'checkpoint',
+        metavar='RUN_OR_CHECKPOINT',
+        help='a run folder (papermill_runs/<run_id>, its checkpoints/step_N) or one checkpoint folder',
+    )
+    xp.add_argument(
+        '--checkpoint',
+        dest='rule',
+        default='best',
+        help='in a run folder: best (the highest eval accept length the train phase recorded, the default), '
+        'latest or step_N',
+    )
     xp.add_argument('--out', required=True)
     xp.add_argument('--target', help="the target model directory (default: the checkpoint's run recipe's)")
     xp.add_argument(

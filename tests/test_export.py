@@ -186,6 +186,34 @@ def test_cli_export_reads_target_and_data_from_the_run(ckpt, kimi_tiny, tmp_path
     assert json.loads((tmp_path / 'out' / 'eagle3nb.json').read_text())['aux_layers'] == [1, 3, 5]
 
 
+def test_cli_export_chooses_the_best_checkpoint(kimi_tiny, tmp_path, capsys):
+    "`eagle3nb export RUN`: the step with the highest eval accept length, latest or step_N on request; the record says"
+    from eagle3nb.cli import main
+
+    ids = torch.arange(32) * 3 + 1
+    run = tmp_path / 'run'
+    for s in (100, 200, 300):
+        random_checkpoint(kimi_tiny, run, ids, step=s)
+    evals = [dict(split='eval', dataset='all', step=s, accept_sim=a) for s, a in ((100, 1.4), (200, 1.9), (300, 1.7))]
+    (run / 'metrics.jsonl').write_text(''.join(json.dumps(m) + '\n' for m in evals))
+    for rule, step in (('best', 200), ('latest', 300), ('step_100', 100)):
+        main(['export', str(run), '--checkpoint', rule, '--out', str(tmp_path / rule), '--target', str(kimi_tiny)])
+        out = json.loads(capsys.readouterr().out)
+        assert (out['step'], out['rule'], out['problems']) == (step, rule, []), out
+    main(['export', str(run), '--out', str(tmp_path / 'default'), '--target', str(kimi_tiny)])
+    out = json.loads(capsys.readouterr().out)
+    assert (
+        out['step'] == 200
+        and out['why'] == 'the highest eval accept length (step_100 1.400, step_200 1.900, step_300 1.700)'
+    )
+    with pytest.raises(SystemExit) as e:
+        main(['export', str(run), '--checkpoint', 'step_150', '--out', str(tmp_path / 'x'), '--target', str(kimi_tiny)])
+    assert (
+        e.value.code == 1
+        and 'has no checkpoint step_150; it has step_100, step_200, step_300' in capsys.readouterr().err
+    )
+
+
 def test_random_checkpoint_exports(kimi_tiny, tmp_path):
     "A smoke run's checkpoint: the draft vocab asked for, every weight moved by the noise, and it exports cleanly"
     ids = torch.arange(32) * 3 + 1
