@@ -38,6 +38,7 @@ def args():
     a('--max-steps', default='', help='override phases.train.max_steps, per recipe: name=steps,...')
     a('--work', default=str(ROOT / 'data' / 'bench-storage'))
     a('--json', default=None)
+    a('--plot', default=None, help='write the curve (bytes/token at H=7168 against served accept) to this PNG')
     a('--read-only', action='store_true', help='only the H=7168 read-path comparison')
     a('--read-samples', type=int, default=24)
     a('--read-tokens', type=int, default=512)
@@ -192,6 +193,35 @@ def print_summary(b: dict):
         )
 
 
+def plot_curve(recipes: list, path: str):
+    "Bytes per token at H = 7168 against the served accept length (mean over seeds, bars: min to max), per recipe"
+    import matplotlib
+
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(recipes), figsize=(5 * len(recipes), 3.6), squeeze=False)
+    for ax, b in zip(axes[0], recipes):
+        rows = summary(b)
+        base = next(r['mean'] for r in rows if r['mode'] == 'bf16')
+        ax.axhspan(base * 0.98, base, color='0.9', label='within 2% of bf16')
+        for r in rows:
+            lo, hi = r['mean'] - min(r['served']), max(r['served']) - r['mean']
+            ax.errorbar(r['kimi'], r['mean'], yerr=[[lo], [hi]], fmt='o', capsize=4)
+            ax.annotate(
+                f"{r['mode']} ({r['kimi_x']:.3f}x)", (r['kimi'], r['mean']), textcoords='offset points', xytext=(6, 6)
+            )
+        ax.axvline(rows[0]['kimi'] / 4, ls='--', c='gray', label='a quarter of bf16')
+        ax.set(
+            xlabel='bytes / token at H=7168',
+            ylabel='served accept length (vLLM)',
+            title=f"{b['recipe']}: {b['draft'].get('arch', 'llama')} draft, {b['steps']} steps",
+        )
+        ax.legend(fontsize=8, loc='lower right')
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def read_path(a, modes) -> list:
     "Training's read path at H = 7168 over a synthetic store of each mode: tokens/s and RSS growth, side by side"
     import psutil
@@ -232,6 +262,8 @@ def main():
             b = bench_recipe(name, a)
             report['recipes'].append(b)
             print_summary(b)
+    if a.plot and report.get('recipes'):
+        plot_curve(report['recipes'], a.plot)
     rp = read_path(a, modes)
     report['read_path'] = rp
     print(

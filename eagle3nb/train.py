@@ -5,8 +5,9 @@
 # %% auto #0
 __all__ = ['target_dist', 'aux_states', 'collate', 'shift', 'step_targets', 'ttt_mask', 'TTT', 'ttt_loss', 'summarize',
            'add_sums', 'accept_estimate', 'chain_hits', 'accept_lengths', 'evaluate', 'TrainConfig', 'lr_factor',
-           'batch_indices', 'save_checkpoint', 'latest_checkpoint', 'load_checkpoint', 'dist_setup', 'Stopped',
-           'load_sharded_checkpoint', 'train', 'read_metrics', 'toy_samples', 'plot_metrics', 'target_tensors']
+           'batch_indices', 'epoch_order', 'next_batch', 'cursor_at', 'save_checkpoint', 'latest_checkpoint',
+           'load_checkpoint', 'dist_setup', 'Stopped', 'load_sharded_checkpoint', 'train', 'read_metrics',
+           'toy_samples', 'plot_metrics', 'target_tensors']
 
 # %% ../nbs/61_train.ipynb #040f6913
 import copy, json, math, os, random, shutil, time
@@ -270,8 +271,34 @@ def batch_indices(n: int, bs: int, step: int, seed: int = 0, rank: int = 0, worl
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
     return perm[j * bs * world : (j + 1) * bs * world][rank::world].tolist(), epoch
 
+
+def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
+    "Epoch `epoch`'s permutation of `n` samples"
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+
+
+def next_batch(n: int, bs: int, cursor: tuple, seed: int = 0, rank: int = 0, world: int = 1) -> tuple:
+    "This rank's share of the global batch at `cursor` = (epoch, position): (indices, epoch, the cursor after it)"
+    G = bs * world
+    assert n >= G, f"{n} samples cannot fill one batch of {bs} x {world} ranks"
+    epoch, pos = cursor
+    if pos + G > n:  # the epoch's tail, shorter than a global batch, is dropped
+        epoch, pos = epoch + 1, 0
+    return epoch_order(n, seed, epoch)[pos : pos + G][rank::world].tolist(), epoch, (epoch, pos + G)
+
+
+def cursor_at(n: int, bs: int, step: int, world: int = 1) -> tuple:
+    "The cursor after `step` steps on `world` ranks (for a checkpoint that stored none)"
+    per_epoch, G = n // (bs * world), bs * world
+    if step == 0:
+        return (0, 0)
+    epoch, j = divmod(step - 1, per_epoch)  # the epoch of the last batch read, and its place in it
+    return (epoch, (j + 1) * G)
+
 # %% ../nbs/61_train.ipynb #8ac40579
-def save_checkpoint(run_dir, step: int, draft: Eagle3Draft, opt, sched, cfg: TrainConfig, epoch: int = 0) -> Path:
+def save_checkpoint(
+    run_dir, step: int, draft: Eagle3Draft, opt, sched, cfg: TrainConfig, epoch: int = 0, cursor=None, world: int = 1
+) -> Path:
     "Write checkpoint `step_N` atomically; return its folder"
     d = Path(run_dir) / 'checkpoints' / f'step_{step}'
     from eagle3nb.recipe import publishing
@@ -285,6 +312,8 @@ def save_checkpoint(run_dir, step: int, draft: Eagle3Draft, opt, sched, cfg: Tra
                 scheduler=sched.state_dict(),
                 step=step,
                 epoch=epoch,
+                cursor=list(cursor) if cursor is not None else None,  # (epoch, samples read of it): elastic resume
+                world=world,  # the ranks that wrote it
                 config=asdict(cfg),
                 rng=torch.get_rng_state(),
                 py_rng=random.getstate(),
@@ -424,11 +453,12 @@ def train(
         from eagle3nb.recipe import remove_stale
 
         remove_stale(run_dir / 'checkpoints', 'train')
+    n, cursor = len(train_samples), (0, 0)
     if (ck := latest_checkpoint(run_dir)) is not None:
-        step = (
-            load_sharded_checkpoint(ck, net, opt, sched, ref) if sharded else load_checkpoint(ck, draft, opt, sched)
-        )['step']
-        log(f'resumed from {ck}')
+        st = load_sharded_checkpoint(ck, net, opt, sched, ref) if sharded else load_checkpoint(ck, draft, opt, sched)
+        step, was = st['step'], st.get('world') or world
+        cursor = tuple(st['cursor']) if st.get('cursor') else cursor_at(n, cfg.batch_size, step, was)
+        log(f'resumed from {ck}' + (f' (written on {was} ranks, now {world})' if was != world else ''))
     if rank == 0:
         _trim_log(metrics, step)
     tids, t2d = draft_target_ids(draft), draft.t2d  # on `device`: targets are computed there
@@ -436,7 +466,7 @@ def train(
         lm_head = lm_head.to(device)
     sums, t0, ntok = {}, time.time(), 0  # ntok: tokens trained on since t0, all ranks
     while step < cfg.max_steps:
-        idx, epoch = batch_indices(len(train_samples), cfg.batch_size, step, cfg.seed, rank, world)
+        idx, epoch, cursor = next_batch(n, cfg.batch_size, cursor, cfg.seed, rank, world)
         b = collate([train_samples[i] for i in idx], tids, t2d, lm_head)
         with _autocast(device, cfg.bf16):
             logits = net(b)
@@ -467,6 +497,11 @@ def train(
                     grad_norm=gnorm.item(),
                     s=round(time.time() - t0, 2),
                     tokens=ntok,
+                    read=[
+                        epoch,
+                        cursor[1] - cfg.batch_size * world,
+                        cursor[1],
+                    ],  # the global batch: its epoch, positions
                     **summarize(sums, cfg.ttt_steps),
                 ),
             )
@@ -486,7 +521,7 @@ def train(
             ).items():
                 _log(metrics, dict(split='eval', dataset=name, step=step, **m))
         if rank == 0 and do_ckpt:
-            save_checkpoint(run_dir, step, view, o, sched, cfg, epoch)
+            save_checkpoint(run_dir, step, view, o, sched, cfg, epoch, cursor, world)
         if world > 1:
             torch.distributed.barrier()
         if stop_after is not None and step >= stop_after:

@@ -472,6 +472,56 @@ PHASE_CHILD = textwrap.dedent('''
 ''')
 
 
+ELASTIC_CHILD = textwrap.dedent('''
+    import sys, torch
+    from eagle3nb.draft import new_draft
+    from eagle3nb.train import TrainConfig, train, toy_samples, Stopped
+    from eagle3nb.vocab import top_k_ids, vocab_maps
+    torch.set_num_threads(1)
+    ts = toy_samples(n=7, new_tokens=8)
+    d2t, t2d = vocab_maps(top_k_ids(ts['counts'] + 1, 256), ts['V'])
+    cfg = TrainConfig(ttt_steps=2, lr=1e-3, warmup_steps=2, max_steps=8, batch_size=1, ckpt_every=1, log_every=1)
+    stop = int(sys.argv[2]) if len(sys.argv) > 2 else None  # a simulated kill after that step
+    draft = new_draft(ts['config'], ts['embed'], d2t, t2d, seed=3)
+    try:
+        train(draft, ts['train'], sys.argv[1], cfg, stop_after=stop, log=print)
+    except Stopped:
+        sys.exit(3)
+''')
+
+
+@pytest.mark.skipif(_fsdp_cpu_reason() is not None, reason=str(_fsdp_cpu_reason()))
+@pytest.mark.parametrize('first,then', [(2, 1), (1, 2)])
+def test_elastic_resume(tmp_path, first, then):
+    "A run stopped after step 1 on `first` ranks resumes on `then`: each sample once per epoch, the optimizer carried"
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    script = tmp_path / 'child.py'
+    script.write_text(ELASTIC_CHILD)
+    out = tmp_path / 'run'
+
+    def on(ranks, *args):
+        launch = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', str(ranks)]
+        cmd = (launch if ranks > 1 else [sys.executable]) + [str(script), str(out), *args]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+    r = on(first, '1')
+    assert r.returncode != 0 and latest_checkpoint(out).name == 'step_1', r.stderr[-3000:]  # torchrun: 1, else 3
+    r = on(then)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f'(written on {first} ranks, now {then})' in r.stdout
+    reads = [m['read'] for m in read_metrics(out) if m['split'] == 'train']
+    assert len(reads) == 8
+    for e in sorted({x[0] for x in reads}):  # the positions of each epoch's order: read once each, in order, from 0
+        spans = [(a, b) for ep, a, b in reads if ep == e]
+        assert spans[0][0] == 0 and all(p[1] == q[0] for p, q in zip(spans, spans[1:])), (e, spans)
+    assert [x[2] for x in reads if x[0] == 0][-1] == 7  # epoch 0: all 7 samples, across the change of world
+    st = torch.load(latest_checkpoint(out) / 'train_state.pt', weights_only=False)
+    assert latest_checkpoint(out).name == 'step_8' and st['world'] == then
+    assert {int(v['step']) for v in st['optimizer']['state'].values()} == {
+        8
+    }  # AdamW's moments lived through the resume
+
+
 @pytest.mark.skipif(_fsdp_cpu_reason() is not None, reason=str(_fsdp_cpu_reason()))
 def test_train_phase_under_torchrun(tmp_path):
     "The train phase under torchrun (2 gloo ranks, DDP, batch 1 each) trains what one process with batch 2 trains"

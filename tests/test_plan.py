@@ -175,8 +175,10 @@ def test_kimi_plan_without_data(tmp_path, monkeypatch, capsys):
     h = f['hidden']
     assert h['tokens'] == _kimi_tokens(r)
     assert h['free_bytes'] == 11e12 and h['disk_source'] == 'stated'
+    assert h['modes']['nf4']['bytes'] == h['tokens'] * bytes_per_token('nf4', 7168, 3, 64, 32000)
     assert h['modes']['compact']['bytes'] == h['tokens'] * bytes_per_token('compact', 7168, 3, 64, 32000)
-    assert h['modes']['compact']['fits'] and not h['modes']['bf16']['fits'] and h['choice'] == ['compact']
+    assert h['modes']['nf4']['fits'] and h['modes']['compact']['fits'] and not h['modes']['bf16']['fits']
+    assert h['choice'] == ['nf4'] and h['planned'] == ['nf4']  # the recommended mode (BENCHMARKS.md, storage modes)
     assert h['need_bytes'] * 1.1 <= 11e12 and 'The headroom rule' in md
     assert round(h['stated_tokens_per_sample']) == round(92e6 / bytes_per_token('bf16', 7168, 3))  # 1,604
     assert 'Your figure, 92.0 GB per 1,000 samples' in md
@@ -192,7 +194,7 @@ def test_kimi_plan_without_data(tmp_path, monkeypatch, capsys):
     assert 'eagle3nb download RECIPE' in cmds
     ex = [l for l in cmds.splitlines() if l.startswith('vllm serve') and 'extract_hidden_states' in l]
     assert len(ex) == 1 and '--tensor-parallel-size 8' in ex[0] and '--trust-remote-code' in ex[0]
-    assert 'eagle3nb extract RECIPE --engine vllm --modes compact' in cmds
+    assert 'eagle3nb extract RECIPE --engine vllm --modes nf4' in cmds
     # the goal as a gate, with serve-bench's break-even at today's numbers
     q = f['goal']
     assert q['min_accept'] == 3.0 and abs(q['break_even'] - 2.1 * 90 / 82.3) < 1e-9
