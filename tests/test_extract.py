@@ -135,8 +135,9 @@ def test_disk_fills_mid_run_phase_stops_then_resumes(tmp_path, monkeypatch):
     from eagle3nb.phase import RunContext
     from eagle3nb.phases import extract as phase
 
-    ctx = RunContext.open('', tmp_path / 'run')  # the smoke run: kimi-tiny, 8 samples in pairs of equal length, 2 modes
-    hidden, p = ctx.data_root / 'hidden', phase.Params(shard_mb=0, min_free_gb=2)  # a shard per sample
+    ctx = RunContext.open('', tmp_path / 'run')  # the smoke run: kimi-tiny, 8 samples in pairs of equal length
+    p = phase.Params(modes='bf16,compact', shard_mb=0, min_free_gb=2)  # two of the smoke run's modes, a shard a sample
+    hidden = ctx.data_root / 'hidden'
     landed = lambda: sum(len(shard_files(d)) for d in hidden.glob('*/*'))
     monkeypatch.setattr(store, 'free_bytes', lambda d: 10**12 if landed() < 5 else 10**9)  # 1 GB left after 5 shards
     with pytest.raises(ExtractionStopped, match=r'5/16 samples stored.*rerun the same command'):

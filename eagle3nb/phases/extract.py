@@ -15,7 +15,7 @@ from ..phase import Params as _Params, Record as _Record, RunContext, phase, wri
 class Params(_Params):
     modes: str = Field(
         '',
-        description='comma-separated modes (bf16, compact, nf4); empty means bf16 for a recipe, all three for the smoke run',
+        description='comma-separated modes (bf16, compact, nf4); empty means bf16 for a recipe, all for the smoke run',
     )
     splits: str = Field('train,eval', description='corpus splits to extract')
     topk: int = Field(64, description='compact and nf4 modes: target probabilities kept per token')
