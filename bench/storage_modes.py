@@ -18,7 +18,7 @@ shard, aux states to float32, dequantized where the draft trains: here the CPU) 
 the pairs it has (kill it at any point and rerun).
 """
 
-import argparse, dataclasses, json, os, subprocess, sys, tempfile, time
+import argparse, dataclasses, json, os, shutil, subprocess, sys, tempfile, time
 from pathlib import Path
 import torch, yaml
 
@@ -40,6 +40,7 @@ def args():
     a('--json', default=None)
     a('--plot', default=None, help='write the curve (bytes/token at H=7168 against served accept) to this PNG')
     a('--read-only', action='store_true', help='only the H=7168 read-path comparison')
+    a('--throughput-steps', type=int, default=60, help='train steps per mode, twice, interleaved, for train tokens/s')
     a('--read-samples', type=int, default=24)
     a('--read-tokens', type=int, default=512)
     return p.parse_args()
@@ -148,6 +149,26 @@ def bench_recipe(name: str, a) -> dict:
         disk_per_token=disk,
         kimi_per_token={m: bytes_per_token(m, H) for m in modes},
     )
+
+
+def throughput(name: str, a) -> list:
+    "Train tokens/s of each mode on the recipe's stores, side by side: each mode twice, interleaved, fresh runs"
+    import statistics as st
+    from eagle3nb.phase import RunContext
+    from eagle3nb.phases import train as T
+
+    work = Path(a.work) / name
+    ctx0 = RunContext.open(str(work / 'recipe.yaml'), work / 'runs' / 'session')
+    tp = {**ctx0.phase_params('train'), 'max_steps': a.throughput_steps, 'ckpt_every': a.throughput_steps}
+    tp['eval_every'] = a.throughput_steps
+    got = {m: [] for m in a.modes.split(',')}
+    for i in range(2):
+        for m in got:
+            d = work / 'runs' / f'tput-{m}-{i}'
+            shutil.rmtree(d, ignore_errors=True)  # the bench's own scratch runs
+            got[m].append(T.run(dataclasses.replace(ctx0, run_dir=d), T.Params(**{**tp, 'mode': m})).tokens_per_s)
+    ctx0.engines.close()
+    return [dict(mode=m, tokens_per_s=st.median(v), runs=v) for m, v in got.items()]
 
 
 def summary(b: dict) -> list:
@@ -262,6 +283,15 @@ def main():
             b = bench_recipe(name, a)
             report['recipes'].append(b)
             print_summary(b)
+            if a.throughput_steps:
+                b['throughput'] = throughput(name, a)
+                base = next(r['tokens_per_s'] for r in b['throughput'] if r['mode'] == 'bf16')
+                print(f"{name}: train tokens/s, {a.throughput_steps} steps a mode, twice, interleaved (median):")
+                for r in b['throughput']:
+                    runs = ', '.join(f'{x:.0f}' for x in r['runs'])
+                    print(
+                        f"  {r['mode']:8s} {r['tokens_per_s']:8.1f} ({r['tokens_per_s'] / base:.2f}x bf16; runs {runs})"
+                    )
     if a.plot and report.get('recipes'):
         plot_curve(report['recipes'], a.plot)
     rp = read_path(a, modes)
