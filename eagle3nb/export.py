@@ -345,7 +345,7 @@ def choose_checkpoint(
 ) -> dict:  # checkpoint (Path), step, rule, accept (the eval accept length at that step, or None), why
     "The checkpoint to export, and why: the best eval accept length the run recorded, the newest, or a given step"
     d = Path(run_or_checkpoint)
-    if (d / 'model.safetensors').exists() or (d.is_dir() and not (d / 'checkpoints').is_dir()):  # one checkpoint
+    if not (d / 'checkpoints').is_dir():  # not a run folder: one checkpoint, as given
         step = int(d.name.split('_')[1]) if d.name.startswith('step_') and d.name[5:].isdigit() else None
         acc = eval_accepts(d.parent.parent).get(step)
         return dict(checkpoint=d, step=step, rule='given', accept=acc, why=f'the checkpoint folder given ({d.name})')
