@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['FLAGS', 'MLA_KEYS', 'ARCH_NAMES', 'FLAG_TENSORS', 'CHECKPOINT_RULES', 'PARSERS', 'ExportError', 'read_checkpoint',
            'engine_aux_ids', 'export_config', 'flag_mismatches', 'export_tensors', 'training_record', 'export_draft',
-           'check_export', 'run_defaults', 'eval_accepts', 'choose_checkpoint', 'sglang_problem', 'target_flags',
-           'launch_commands', 'write_launch_scripts', 'random_checkpoint']
+           'check_export', 'run_defaults', 'checkpoint_steps', 'eval_accepts', 'choose_checkpoint', 'sglang_problem',
+           'target_flags', 'launch_commands', 'write_launch_scripts', 'random_checkpoint']
 
 # %% ../nbs/70_export.ipynb #8b5e693a
 import json, os, shlex, shutil
@@ -326,7 +326,8 @@ def run_defaults(checkpoint_dir) -> dict:  # {'target', 'data_root', 'trust_remo
 CHECKPOINT_RULES = ('best', 'latest', 'step_N')
 
 
-def _steps(run_dir) -> dict:  # step -> checkpoint folder
+def checkpoint_steps(run_dir) -> dict:  # step -> checkpoint folder
+    "The checkpoints of a run folder, by step"
     return {int(p.name.split('_')[1]): p for p in (Path(run_dir) / 'checkpoints').glob('step_*') if p.is_dir()}
 
 
@@ -349,7 +350,7 @@ def choose_checkpoint(
         step = int(d.name.split('_')[1]) if d.name.startswith('step_') and d.name[5:].isdigit() else None
         acc = eval_accepts(d.parent.parent).get(step)
         return dict(checkpoint=d, step=step, rule='given', accept=acc, why=f'the checkpoint folder given ({d.name})')
-    steps = _steps(d)
+    steps = checkpoint_steps(d)
     if not steps:
         raise ExportError(f"no checkpoints/step_N in {d}: give a run folder after the train phase, or a checkpoint")
     have = ', '.join(f'step_{s}' for s in sorted(steps))

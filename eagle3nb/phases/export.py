@@ -42,7 +42,7 @@ class Record(_Record):
 
 # %% ../../nbs/96_phases/70_export.ipynb #2e8418a9
 def _checkpoint(ctx: RunContext, p: Params) -> dict | None:  # `export.choose_checkpoint`'s answer
-    "The checkpoint to export and why: by `p.checkpoint`'s rule in the run, a folder given, or in a smoke run a random one"
+    "The checkpoint to export and why: by `p.checkpoint`'s rule, a folder given, or a smoke run's random one"
     from eagle3nb.export import choose_checkpoint, random_checkpoint
 
     rule = p.checkpoint or 'best'
@@ -118,10 +118,10 @@ def config_keys(rec: Record) -> dict:
 def choice_table(ctx: RunContext, rec: Record):  # a DataFrame: step, eval accept length, taken
     "Every checkpoint of the run with its eval accept length, the one exported marked; the rule and why as caption"
     import pandas as pd
-    from eagle3nb.export import eval_accepts
+    from eagle3nb.export import checkpoint_steps, eval_accepts
 
     acc = eval_accepts(ctx.run_dir)
-    steps = sorted(int(p.name.split('_')[1]) for p in (Path(ctx.run_dir) / 'checkpoints').glob('step_*') if p.is_dir())
+    steps = sorted(checkpoint_steps(ctx.run_dir))
     took = rec.choice.get('step')
     rows = [(s, acc.get(s), 'exported' if s == took else '') for s in steps]
     df = pd.DataFrame(rows, columns=['step', 'eval accept length', 'taken'])

@@ -116,7 +116,7 @@ def dataset_map(root) -> dict | None:  # sample_id -> dataset
 
 
 def store_inputs(ctx: RunContext, mode: str = '') -> Inputs | str:  # the inputs, or why there are none
-    "A recipe's: the `mode` store (default the first of bf16, compact, nf4 there is) of the extract phase, the vocab phase's maps"
+    "A recipe's: the extract phase's `mode` store (default the first of bf16, compact, nf4 found), the vocab's maps"
     from eagle3nb.store import MODES, HiddenStates, shard_files
     from eagle3nb.train import target_tensors
     from eagle3nb.target import text_config
@@ -125,7 +125,8 @@ def store_inputs(ctx: RunContext, mode: str = '') -> Inputs | str:  # the inputs
     root = ctx.data_root
     found = [m for m in ((mode,) if mode else MODES) if shard_files(root / 'hidden' / m / 'train')]
     if not found:
-        return f'no extracted hidden states in {root}/hidden/{mode or "{" + ",".join(MODES) + "}"}/train: run the extract phase first'
+        where = mode or '{' + ','.join(MODES) + '}'
+        return f'no extracted hidden states in {root}/hidden/{where}/train: run the extract phase first'
     if not (root / 'vocab' / 'd2t.pt').exists():
         return f'no draft vocabulary in {root}/vocab: run the vocab phase first'
     mode, hidden = found[0], root / 'hidden' / found[0]
