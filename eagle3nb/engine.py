@@ -417,19 +417,29 @@ def mla_disable_for(target_dir, draft_dir, python=None) -> bool:
     return engine_info(vllm_python(python))['cpu'] and is_mla(target_dir) and not is_mla(draft_dir)
 
 # %% ../nbs/05_engine.ipynb #17e9b1b1
-def _compare(spec, base, prompts: list, max_tokens: int, out: dict) -> dict:
-    "Greedy ids of both endpoints, and the speculative server's counters over its own requests"
+def _compare(spec, base, prompts: list, max_tokens: int, out: dict, groups: list = None) -> dict:
+    "Greedy ids of both endpoints, and the speculative server's counters over its own requests, per group too"
     srv = spec.server
     out = {**out, 'loaded': True, 'ready_s': round(srv.ready_s, 1), 'warnings': _warnings(srv.log_path)}
     want = complete_ids(base.base_url, base.model, prompts, max_tokens, api_key=base.api_key)
+    groups = groups or ['all'] * len(prompts)
+    got, by_group = [None] * len(prompts), {}
     c0 = spec_counters(spec.base_url)
     try:
-        got = complete_ids(spec.base_url, spec.model, prompts, max_tokens)
+        for g in dict.fromkeys(groups):  # one group at a time: the server's counters between them are its own
+            idx = [i for i, x in enumerate(groups) if x == g]
+            a = spec_counters(spec.base_url)
+            for i, ids in zip(idx, complete_ids(spec.base_url, spec.model, [prompts[i] for i in idx], max_tokens)):
+                got[i] = ids
+            same = sum(want[i] == got[i] for i in idx)
+            by_group[g] = dict(
+                n_prompts=len(idx), greedy_identical=same, **counter_delta(a, spec_counters(spec.base_url))
+            )
     except (EngineError, httpx.HTTPError) as e:
         return {**out, 'loaded': False, 'error': str(srv._engine_error(f'failed a request ({e})'))}
     d = counter_delta(c0, spec_counters(spec.base_url))
     same = [a == b for a, b in zip(want, got)]
-    return {**out, 'greedy_identical': sum(same), 'identical': same, 'continuations': want, **d}
+    return {**out, 'greedy_identical': sum(same), 'identical': same, 'continuations': want, **d, 'by_group': by_group}
 
 
 def _keep_logs(logs: dict, log_dir):
@@ -451,6 +461,7 @@ def verify_served(
     mla_disable: bool = None,  # None: on for an MLA target with a Llama (MHA) draft on the CPU build
     log_dir=None,  # copy the servers' logs here (spec.log, base.log)
     python=None,  # the engine's python; default the session's
+    groups: list = None,  # a label per prompt (its dataset): counters per group in `by_group`; None: one group
 ) -> dict:
     "Serve `draft_dir` as an EAGLE-3 draft of the session's target in vLLM; greedy identity and acceptance"
     if mla_disable is None:
@@ -467,7 +478,7 @@ def verify_served(
             engines.wait(spec)
         except EngineError as e:
             return {**out, 'error': str(e), 'warnings': _warnings(spec.server.log_path)}
-        return _compare(spec, base, prompts, max_tokens, out)
+        return _compare(spec, base, prompts, max_tokens, out, groups)
     finally:
         engines.stop(spec)
         _keep_logs(logs, log_dir)

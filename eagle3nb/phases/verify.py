@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['NO_ENGINE', 'REQUIRE', 'Params', 'Record', 'record', 'no_engine', 'inputs', 'run', 'report', 'goal_line',
-           'plot_acceptance']
+           'plot_acceptance', 'dataset_table']
 
 # %% ../../nbs/96_phases/72_verify.ipynb #4696db43
 import os
@@ -16,7 +16,9 @@ from ..engine import EngineNotFound, engine_available
 # %% ../../nbs/96_phases/72_verify.ipynb #3d7c27f3
 class Params(_Params):
     export: str = Field('', description='the export folder; empty means <data_root>/export')
-    n: int = Field(8, description='prompts from the eval split (then train, if eval has fewer)')
+    n: int = Field(
+        8, description='prompts from the eval split, in turn from each dataset (then train, if eval has fewer)'
+    )
     max_tokens: int = Field(48, description='greedy tokens per prompt')
     num_speculative_tokens: int = Field(3, description='k in the speculative config')
     engine: str = Field('', description='a vLLM venv or its python; empty means EAGLE3NB_VLLM, else .venv-vllm')
@@ -40,6 +42,10 @@ class Record(_Record):
     accepted_per_position: list | None = None
     rate_per_position: list = []  # accepted / rounds, per draft position
     offline_accept_length: float | None = None  # our estimate on the same continuations
+    per_dataset: list | None = (
+        None  # verify.dataset_rows: dataset, n_prompts, greedy_identical, drafts, both accept lengths
+    )
+    weakest: str | None = None  # the dataset the engine accepts least of (two datasets or more)
     k: int = 3
     max_tokens: int = 0
     distinct_tokens: int | None = None  # in the served continuations
@@ -63,7 +69,15 @@ class Record(_Record):
         return (
             f'served accept length {al}{off} at k={self.k}; greedy {self.greedy_identical}/{self.n_prompts} identical'
             + goal
+            + self.weakest_line()
         )
+
+    def weakest_line(self) -> str:
+        if not self.weakest:
+            return ''
+        w = next(x for x in self.per_dataset if x['dataset'] == self.weakest)
+        al = 'n/a' if w['accept_length'] is None else f"{w['accept_length']:.2f}"
+        return f'; weakest dataset {self.weakest} ({al})'
 
 # %% ../../nbs/96_phases/72_verify.ipynb #75ab6165
 def record(res: dict, p: Params, export, target) -> Record:
@@ -102,19 +116,21 @@ def no_engine() -> Record:
     return Record(skipped=NO_ENGINE)
 
 
-def inputs(ctx: RunContext, p: Params) -> tuple:  # export folder, prompts; or None and why there is nothing
+def inputs(
+    ctx: RunContext, p: Params
+) -> tuple:  # export folder, prompts, their datasets; or None, why there is nothing, None
     "What to verify: a smoke run's draft trained on its toy, else the recipe's export and its eval prompts"
-    from eagle3nb.verify import recipe_prompts, toy_export
+    from eagle3nb.verify import dataset_prompts, toy_export
 
     if ctx.smoke:
         k = p.num_speculative_tokens
-        return toy_export(ctx.recipe.target.toy, ctx.run_dir, p.n, p.max_tokens + 8, ttt_steps=k)
+        return *toy_export(ctx.recipe.target.toy, ctx.run_dir, p.n, p.max_tokens + 8, ttt_steps=k), None
     export = Path(p.export or ctx.data_root / 'export')
     if (export / 'config.json').exists():
-        return export, recipe_prompts(ctx.recipe, p.n)
+        return export, *dataset_prompts(ctx.recipe, p.n)
     if ctx.recipe.datasets:
         raise FileNotFoundError(f'{export}: no exported draft (config.json); run the export phase (70_export) first')
-    return None, 'the recipe lists no datasets, so nothing was trained or exported'
+    return None, 'the recipe lists no datasets, so nothing was trained or exported', None
 
 # %% ../../nbs/96_phases/72_verify.ipynb #c25af9cc
 @phase(
@@ -126,12 +142,20 @@ def run(ctx: RunContext, p: Params) -> Record:
 
     if not engine_available(p.engine or None):
         return no_engine().model_copy(update=dict(min_accept=p.min_accept))  # the goal stated, not checked
-    export, prompts = inputs(ctx, p)
+    export, prompts, names = inputs(ctx, p)
     if export is None:
         return Record(skipped=prompts, min_accept=p.min_accept)
     k, logs = p.num_speculative_tokens, ctx.run_dir / 'engine_logs'
     res = verify(
-        export, ctx.target, prompts, p.max_tokens, k, engines=ctx.engines, log_dir=logs, python=p.engine or None
+        export,
+        ctx.target,
+        prompts,
+        p.max_tokens,
+        k,
+        engines=ctx.engines,
+        log_dir=logs,
+        python=p.engine or None,
+        datasets=names,
     )
     rec = record(res, p, export, ctx.target)
     if rec.problems:
@@ -163,3 +187,11 @@ def plot_acceptance(rec: Record):  # the matplotlib Axes
     rates = pd.Series(rec.rate_per_position, index=range(1, len(rec.rate_per_position) + 1))
     title = f'served acceptance by draft position (accept length {rec.accept_length:.2f})'
     return rates.plot.bar(title=title, xlabel='draft position', ylabel='accepted / rounds', ylim=(0, 1))
+
+
+def dataset_table(rec: Record):  # -> pandas.DataFrame, one row per dataset
+    "The served and offline figures per dataset of the eval split"
+    import pandas as pd
+
+    cols = ['dataset', 'n_prompts', 'greedy_identical', 'drafts', 'accept_length', 'offline_accept_length']
+    return pd.DataFrame(rec.per_dataset, columns=cols).round(3)
