@@ -6,7 +6,7 @@
 __all__ = ['RESERVED', 'repo_root', 'phase_notebooks', 'phase_key', 'select_phases', 'param_problem', 'phase_of',
            'check_phase_params', 'check_recipe', 'load_state', 'save_state', 'set_aside', 'PhaseFailed',
            'kernel_manager', 'execute_phase', 'rank_record', 'rank_main', 'served_phases', 'headline', 'summary_table',
-           'markdown_table', 'run', 'RunInterrupted']
+           'markdown_table', 'summary_details', 'run', 'RunInterrupted']
 
 # %% ../nbs/98_runner.ipynb #c5a40c06
 import datetime, json, os, shlex, signal, sys, tempfile, threading, time
@@ -426,6 +426,36 @@ def markdown_table(df) -> str:
     body = ['| ' + ' | '.join(cell(v) for v in r) + ' |' for r in df.itertuples(index=False)]
     return '\n'.join(head + body) + '\n'
 
+
+def _record(run_dir, key: str):
+    "A phase's record in `run_dir`, or None (none, or damaged)"
+    try:
+        return phase_of(key).read(run_dir)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def summary_details(run_dir) -> str:
+    "What the run decided, below its table: served during training, per-dataset acceptance, the k to serve"
+    import pandas as pd
+    from eagle3nb.phases import serve_bench, verify
+
+    out = []
+    tr = _record(run_dir, 'train')
+    if tr is not None and tr.served:
+        cols = ['step', 'loaded', 'accept_length', 'greedy_identical', 'n_prompts', 'k']
+        out += ['## Served during training (train)', '', markdown_table(pd.DataFrame(tr.served, columns=cols))]
+    ve = _record(run_dir, 'verify')
+    if ve is not None and ve.per_dataset and len(ve.per_dataset) > 1:
+        out += ['## Acceptance per dataset (verify)', '', markdown_table(verify.dataset_table(ve))]
+        out += [f'Weakest dataset: **{ve.weakest}**.', '']
+    sb = _record(run_dir, 'serve_bench')
+    if sb is not None and sb.recommendation:
+        out += ['## num_speculative_tokens (serve_bench)', '', *[f'- {l}' for l in serve_bench.k_lines(sb)], '']
+        if sb.recommendation.get('k'):
+            out += [markdown_table(serve_bench.k_table(sb).round(3).reset_index())]
+    return '\n'.join(out)
+
 # %% ../nbs/98_runner.ipynb #e3dde713
 def _tell(msg):
     print(f'[eagle3nb] {msg}', file=sys.stderr, flush=True)
@@ -535,8 +565,12 @@ def _run_held(recipe, r, run_id, run_dir, nbs, sel, serve, stream, nproc=1) -> P
         _plan(rr, run_dir, recipe, 'at the end')
     _tell(f'run {run_id}: {len(sel)} phase(s) done; records in {run_dir}')
     table = summary_table(run_dir, sel)
-    (run_dir / 'summary.md').write_text(markdown_table(table))
-    print(f'\nrun {run_id} ({run_dir}):\n' + table.to_string(index=False), flush=True)
+    details = summary_details(run_dir)
+    (run_dir / 'summary.md').write_text(markdown_table(table) + ('\n' + details if details else ''))
+    print(
+        ('\n' + details if details else '') + f'\nrun {run_id} ({run_dir}):\n' + table.to_string(index=False),
+        flush=True,
+    )
     return run_dir
 
 

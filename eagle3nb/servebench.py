@@ -5,8 +5,9 @@
 # %% auto #0
 __all__ = ['VLLM_COUNTERS', 'COLUMNS', 'WORKED_EXAMPLE', 'as_messages', 'is_ids', 'summarize', 'base_root', 'prom_value',
            'spec_state', 'accept_length', 'bench_endpoint', 'serve_bench', 'break_even', 'plot_break_even',
-           'break_even_table', 'plot_serve_bench', 'event_prompt', 'chat_prompt', 'eval_prompts', 'load_prompts',
-           'bench_record', 'concurrency_list', 'break_even_lines', 'serve_bench_cli']
+           'break_even_table', 'plot_serve_bench', 'event_prompt', 'chat_prompt', 'eval_prompts', 'k_measure',
+           'k_costs', 'expected_tok_s', 'recommend_k', 'order_agrees', 'load_prompts', 'bench_record',
+           'concurrency_list', 'break_even_lines', 'serve_bench_cli']
 
 # %% ../nbs/80_servebench.ipynb #bec44458
 import asyncio, json, time
@@ -424,6 +425,60 @@ def eval_prompts(
             if len(out) >= n:
                 return out
     return out
+
+# %% ../nbs/80_servebench.ipynb #e13837ee
+def k_measure(
+    row: dict,  # `bench_endpoint`'s row at concurrency 1 on the speculative server
+    delta: dict,  # `engine.counter_delta` of that server's counters over the same requests
+    k: int,  # its num_speculative_tokens
+) -> dict:  # k, out_tok_s, rounds, round_s, accept_length, rate_per_position
+    "One served run at `k`: its tokens per second, and its seconds a round (wall time over rounds, at concurrency 1)"
+    rounds = delta['drafts']
+    return dict(
+        k=k,
+        out_tok_s=row['out_tok_s'],
+        rounds=rounds,
+        round_s=row['seconds'] / rounds if rounds else None,
+        accept_length=delta['accept_length'],
+        rate_per_position=delta['rate_per_position'],
+    )
+
+
+def k_costs(lo: dict, hi: dict) -> tuple:  # a (s, verification), b (s, one draft step)
+    "The round cost `a + b k` through two `k_measure` runs at different k"
+    b = (hi['round_s'] - lo['round_s']) / (hi['k'] - lo['k'])
+    return lo['round_s'] - b * lo['k'], max(b, 0.0)
+
+
+def expected_tok_s(
+    rates: list,  # per-position acceptance r_1 .. r_K, from a run at the largest k
+    a: float,  # seconds a round spends verifying
+    b: float,  # seconds a draft step
+) -> pd.DataFrame:  # k, accept_length, round_ms, expected_tok_s; one row per k = 1 .. K
+    "The expected accept length, round time and tokens per second at each k up to the one measured"
+    ks = range(1, len(rates) + 1)
+    acc = [1 + sum(rates[:k]) for k in ks]
+    rnd = [a + b * k for k in ks]
+    return pd.DataFrame(
+        dict(
+            k=list(ks),
+            accept_length=acc,
+            round_ms=[r * 1000 for r in rnd],
+            expected_tok_s=[x / r for x, r in zip(acc, rnd)],
+        )
+    )
+
+
+def recommend_k(table: pd.DataFrame) -> int:  # `expected_tok_s`'s table
+    "The k with the most expected tokens per second (the smaller k on a tie)"
+    return int(table.k[table.expected_tok_s.idxmax()])
+
+
+def order_agrees(table: pd.DataFrame, measured: dict) -> bool:  # measured: k -> served tok/s
+    "Do the served tokens per second rank the measured k as the expected ones do (the best first)?"
+    ks = sorted(measured)
+    exp = table.set_index('k').expected_tok_s
+    return sorted(ks, key=lambda k: -exp[k]) == sorted(ks, key=lambda k: -measured[k])
 
 # %% ../nbs/80_servebench.ipynb #44fb0ac3
 def load_prompts(path) -> list:  # lists of chat messages

@@ -414,6 +414,7 @@ def train(
     stop_after: int = None,  # raise `Stopped` after this step (simulated kill)
     dataset_of: dict = None,  # sample_id -> dataset, for per-dataset eval of store rows
     fsdp: bool = False,  # under torchrun: shard the draft with FSDP2 `fully_shard` instead of DDP replication
+    on_checkpoint=None,  # rank 0, after each checkpoint: f(step, folder) -> dict logged as a 'served' line, or None
     log=print,
 ) -> Eagle3Draft:
     "Train the draft with TTT; resumable bit-for-bit from its checkpoints"
@@ -465,6 +466,7 @@ def train(
     if lm_head is not None:
         lm_head = lm_head.to(device)
     sums, t0, ntok = {}, time.time(), 0  # ntok: tokens trained on since t0, all ranks
+    away = 0.0  # seconds spent in `on_checkpoint` since t0: not training time
     while step < cfg.max_steps:
         idx, epoch, cursor = next_batch(n, cfg.batch_size, cursor, cfg.seed, rank, world)
         b = collate([train_samples[i] for i in idx], tids, t2d, lm_head)
@@ -495,7 +497,7 @@ def train(
                     lr=sched.get_last_lr()[0],
                     loss=loss.item(),
                     grad_norm=gnorm.item(),
-                    s=round(time.time() - t0, 2),
+                    s=round(time.time() - t0 - away, 2),
                     tokens=ntok,
                     read=[
                         epoch,
@@ -521,7 +523,11 @@ def train(
             ).items():
                 _log(metrics, dict(split='eval', dataset=name, step=step, **m))
         if rank == 0 and do_ckpt:
-            save_checkpoint(run_dir, step, view, o, sched, cfg, epoch, cursor, world)
+            ck = save_checkpoint(run_dir, step, view, o, sched, cfg, epoch, cursor, world)
+            t1 = time.time()
+            if on_checkpoint is not None and (m := on_checkpoint(step, ck)):  # e.g. the engine serves it
+                _log(metrics, dict(split='served', step=step, **m))
+            away += time.time() - t1
         if world > 1:
             torch.distributed.barrier()
         if stop_after is not None and step >= stop_after:

@@ -29,7 +29,7 @@ def test_demo_end_to_end(tmp_path, run_id):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=1800,  # a ceiling, not a wait: the demo takes ~15 min on 2 cores
         env={**os.environ, 'OMP_NUM_THREADS': '1'},
     )
     assert p.returncode == 0, p.stderr[-4000:]
@@ -97,3 +97,20 @@ def test_demo_end_to_end(tmp_path, run_id):
     ), sb.get('agreement')
     assert sb['agreement']['max_gap'] <= 0.05 * v['accept_length'], sb['agreement']
     assert 'no guide to GPU speed-up' in sb['note']
+    # the engine served the step-200 checkpoint mid-run and the last, beside the offline eval figure
+    tr = json.loads((rd / 'train.json').read_text())
+    assert [s['step'] for s in tr['served']] == [200, 400] and all(s['loaded'] for s in tr['served']), tr['served']
+    assert all(s['accept_length'] > 1 and s['greedy_identical'] == s['n_prompts'] for s in tr['served']), tr['served']
+    # verify: served and offline accept length per dataset of the eval split, counters summing to the whole
+    per = {x['dataset']: x for x in v['per_dataset']}
+    assert len(per) >= 2 and v['weakest'] in per, v['per_dataset']
+    assert sum(x['drafts'] for x in per.values()) == v['drafts'] and sum(x['n_prompts'] for x in per.values()) == 8
+    # serve-bench recommends num_speculative_tokens from k = 1 and 5, and served the best and its neighbours
+    rk = sb['recommendation']
+    assert rk['k'] in range(1, 6) and rk['k'] in rk['checked'] and isinstance(rk['agrees'], bool), rk
+    assert [x['k'] for x in rk['runs']] == sorted({1, 5, *rk['checked']}), rk['runs']
+    assert f'"num_speculative_tokens": {rk["k"]}' in sb['launch']['vllm'], sb['launch']  # the launch takes it
+    # the summary shows them: the chosen checkpoint, the per-dataset table, the recommendation
+    sm = (rd / 'summary.md').read_text()
+    assert 'step 400 (best' in sm or 'step 200 (best' in sm, sm
+    assert f"Weakest dataset: **{v['weakest']}**" in sm and f"recommended num_speculative_tokens: {rk['k']}" in sm, sm

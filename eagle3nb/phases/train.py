@@ -4,14 +4,14 @@
 
 # %% auto #0
 __all__ = ['ZERO_MEANS', 'Params', 'train_config', 'Inputs', 'smoke_inputs', 'dataset_map', 'store_inputs', 'toy_store',
-           'accept_rows', 'Record', 'run']
+           'accept_rows', 'Record', 'served_prompts', 'served_eval', 'plot_accept', 'run']
 
 # %% ../../nbs/96_phases/60_train.ipynb #f4f12577
 import json, math, time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from ..phase import Params as _Params, Record as _Record, RunContext, phase
 from ..recipe import write_json
 
@@ -48,6 +48,11 @@ class Params(_Params):
         'inference',
         description='TTT attention mask: inference (as engines draft) or eagle3 (see eagle3nb.train)',
     )
+    served_eval_every: int = Field(
+        0,
+        description='have vLLM serve the checkpoint every this many steps (a multiple of ckpt_every; the last '
+        "step too) on held-out prompts, as the verify phase would; 0 means never",
+    )
     draft: dict = Field(
         {},
         description='draft family: arch (llama or mla), fc_norm, norm_before_fc, norm_output, head_dim (absent means '
@@ -60,6 +65,15 @@ class Params(_Params):
         from eagle3nb.draft import draft_options
 
         return draft_options(d)
+
+    @model_validator(mode='after')
+    def _served_every(self):
+        if self.served_eval_every and self.ckpt_every and self.served_eval_every % self.ckpt_every:
+            raise ValueError(
+                f'served_eval_every {self.served_eval_every} is not a multiple of ckpt_every {self.ckpt_every}: '
+                'the engine serves checkpoints'
+            )
+        return self
 
     @field_validator('mask_rule')
     @classmethod
@@ -191,6 +205,8 @@ class Record(_Record):
     ranks: int = 1  # processes that trained together (torchrun's WORLD_SIZE)
     checkpoint: str = ''  # the last checkpoint folder, what the export phase reads
     draft: dict = {}  # the draft's family: arch, fc_norm, norm_before_fc, norm_output, rope_scaling
+    served: list = []  # one per served checkpoint: step, loaded, accept_length, greedy_identical, n_prompts, k
+    served_skipped: str | None = None  # why served_eval_every served nothing
     accept: dict = {}  # row ('eval all', 'eval all (init)', 'train all' in a smoke run) -> accept_est, accept_sim, ...
 
     def headline(self) -> str:
@@ -199,10 +215,67 @@ class Record(_Record):
         if 'eval all' not in self.accept:
             return f"{self.steps} steps; no eval split to measure the accept length on"
         e = self.accept['eval all']
+        s = [x for x in self.served if x.get('accept_length')][-1:]
+        served = f"; served {s[0]['accept_length']:.2f} at step {s[0]['step']}" if s else ''
         return (
             f"eval accept length {e['accept_est']:.2f} (simulated {e['accept_sim']:.2f}), "
-            "offline on the eval split's stored text; verify measures it served"
+            "offline on the eval split's stored text" + (served or '; verify measures it served')
         )
+
+# %% ../../nbs/96_phases/60_train.ipynb #6623fabc
+def served_prompts(ctx: RunContext, inp: Inputs, n: int) -> list:  # token-id lists
+    "The prompts a mid-run served evaluation sends: the recipe's eval split (as verify), a smoke run's train samples"
+    from eagle3nb.verify import recipe_prompts
+
+    if ctx.smoke:
+        return [s['input_ids'][:16].tolist() for s in inp.train[:n]]
+    return recipe_prompts(ctx.recipe, n)
+
+
+def served_eval(ctx: RunContext, inp: Inputs, p: Params, last: int, say=print):  # -> on_checkpoint, or why not
+    "`train`'s `on_checkpoint` for `served_eval_every`: export the checkpoint, serve it in vLLM, return its figures"
+    from eagle3nb.engine import engine_available, verify_served
+    from eagle3nb.export import export_draft
+
+    if not engine_available():
+        return 'no vLLM engine here: run `make engine`, or set EAGLE3NB_VLLM'
+    v = ctx.recipe.phases.get('verify') or {}
+    n, max_tokens, k = v.get('n', 8), v.get('max_tokens', 48), v.get('num_speculative_tokens', 3)
+    prompts = served_prompts(ctx, inp, n)
+
+    def hook(step: int, ck: Path):
+        if step % p.served_eval_every and step != last:
+            return None
+        out = ctx.run_dir / 'served_eval' / ck.name
+        root = None if ctx.smoke else ctx.data_root  # a recipe's export records its aux ids and templates
+        export_draft(
+            ck, out, ctx.target, data_root=root, trust_remote_code=ctx.trust_remote_code, hidden_mode=inp.mode or None
+        )
+        r = verify_served(ctx.engines, out, prompts, max_tokens, k, log_dir=out.parent / f'{ck.name}_logs')
+        if not r['loaded']:
+            say(f'served eval at step {step}: the engine did not serve the checkpoint: {r["error"]}')
+            return dict(loaded=False, error=str(r['error'])[:500], k=k)
+        figs = dict(loaded=True, accept_length=r['accept_length'], greedy_identical=r['greedy_identical'])
+        say(
+            f"served eval at step {step}: accept length {r['accept_length']:.2f} at k={k}, greedy {r['greedy_identical']}/{len(prompts)}"
+        )
+        return dict(**figs, n_prompts=len(prompts), k=k)
+
+    return hook
+
+
+def plot_accept(ms: list, ax=None):  # `read_metrics(run_dir)`; the matplotlib Axes
+    "Offline (the eval split, simulated) and served accept length over the optimizer steps"
+    import matplotlib.pyplot as plt
+
+    ax = plt.subplots(figsize=(6, 3.5))[1] if ax is None else ax
+    off = [m for m in ms if m['split'] == 'eval' and m.get('dataset', 'all') == 'all']
+    srv = [m for m in ms if m['split'] == 'served' and m.get('accept_length')]
+    ax.plot([m['step'] for m in off], [m['accept_sim'] for m in off], 'o--', label='offline (eval split, simulated)')
+    ax.plot([m['step'] for m in srv], [m['accept_length'] for m in srv], 's-', label='served (vLLM)')
+    ax.set(xlabel='optimizer step', ylabel='accept length', title='accept length during training')
+    ax.legend()
+    return ax
 
 # %% ../../nbs/96_phases/60_train.ipynb #5e8f4a34
 _FAMILY = ('arch', 'fc_norm', 'norm_before_fc', 'norm_output', 'rope_scaling')
@@ -228,6 +301,12 @@ def run(ctx: RunContext, p: Params) -> Record:
     accept = accept_rows(ev(inp.eval), 'eval', k, ' (init)') if n_eval else {}
     t0 = time.time()
     kw = dict(eval_samples=inp.eval, lm_head=inp.lm_head, device=ctx.device, dataset_of=inp.dataset_of, log=say)
+    if p.served_eval_every % cfg.ckpt_every:
+        raise ValueError(f'served_eval_every {p.served_eval_every} is not a multiple of ckpt_every {cfg.ckpt_every}')
+    hook = served_eval(ctx, inp, p, cfg.max_steps, say) if p.served_eval_every and ctx.rank == 0 else None
+    if isinstance(hook, str):
+        say(f'served_eval_every {p.served_eval_every}: nothing served: {hook}')
+    kw['on_checkpoint'] = hook if callable(hook) else None
     train(draft, inp.train, ctx.run_dir, cfg, **kw)
     secs, n_par = time.time() - t0, sum(t.numel() for t in draft.parameters() if t.requires_grad)
     last = [m for m in read_metrics(ctx.run_dir) if m['split'] == 'train' and m.get('tokens')][-1:]
@@ -250,5 +329,7 @@ def run(ctx: RunContext, p: Params) -> Record:
         ranks=ctx.world,
         checkpoint=str(latest_checkpoint(ctx.run_dir)),
         draft={a: getattr(draft.config, a) for a in _FAMILY},
+        served=[m for m in read_metrics(ctx.run_dir) if m['split'] == 'served'],
+        served_skipped=hook if isinstance(hook, str) else None,
         accept=accept,
     )
