@@ -6,8 +6,8 @@
 __all__ = ['VLLM_COUNTERS', 'COLUMNS', 'WORKED_EXAMPLE', 'as_messages', 'is_ids', 'summarize', 'base_root', 'prom_value',
            'spec_state', 'accept_length', 'bench_endpoint', 'serve_bench', 'break_even', 'plot_break_even',
            'break_even_table', 'plot_serve_bench', 'event_prompt', 'chat_prompt', 'eval_prompts', 'k_measure',
-           'k_costs', 'expected_tok_s', 'recommend_k', 'order_agrees', 'load_prompts', 'bench_record',
-           'concurrency_list', 'break_even_lines', 'serve_bench_cli']
+           'k_costs', 'expected_accept', 'expected_tok_s', 'recommend_k', 'order_agrees', 'load_prompts',
+           'bench_record', 'concurrency_list', 'break_even_lines', 'serve_bench_cli']
 
 # %% ../nbs/80_servebench.ipynb #bec44458
 import asyncio, json, time
@@ -450,23 +450,30 @@ def k_costs(lo: dict, hi: dict) -> tuple:  # a (s, verification), b (s, one draf
     return lo['round_s'] - b * lo['k'], max(b, 0.0)
 
 
+def expected_accept(
+    lo: dict,  # `k_measure` at k = 1
+    hi: dict,  # `k_measure` at the largest k, K
+) -> list:  # accept length at k = 1 .. K
+    "The accept length at each k: measured at 1 and K, between them in the shape of K's per-position acceptance"
+    rates = hi['rate_per_position']
+    tail = sum(rates[1:])
+    acc = [lo['accept_length']]
+    for k in range(2, len(rates) + 1):
+        share = sum(rates[1:k]) / tail if tail else (k - 1) / (len(rates) - 1)
+        acc.append(lo['accept_length'] + (hi['accept_length'] - lo['accept_length']) * share)
+    return acc
+
+
 def expected_tok_s(
-    rates: list,  # per-position acceptance r_1 .. r_K, from a run at the largest k
+    acc: list,  # accept length at k = 1 .. K (`expected_accept`)
     a: float,  # seconds a round spends verifying
     b: float,  # seconds a draft step
 ) -> pd.DataFrame:  # k, accept_length, round_ms, expected_tok_s; one row per k = 1 .. K
-    "The expected accept length, round time and tokens per second at each k up to the one measured"
-    ks = range(1, len(rates) + 1)
-    acc = [1 + sum(rates[:k]) for k in ks]
+    "The expected round time and tokens per second at each k"
+    ks = list(range(1, len(acc) + 1))
     rnd = [a + b * k for k in ks]
-    return pd.DataFrame(
-        dict(
-            k=list(ks),
-            accept_length=acc,
-            round_ms=[r * 1000 for r in rnd],
-            expected_tok_s=[x / r for x, r in zip(acc, rnd)],
-        )
-    )
+    tok_s = [x / r for x, r in zip(acc, rnd)]
+    return pd.DataFrame(dict(k=ks, accept_length=acc, round_ms=[r * 1000 for r in rnd], expected_tok_s=tok_s))
 
 
 def recommend_k(table: pd.DataFrame) -> int:  # `expected_tok_s`'s table

@@ -67,7 +67,7 @@ def read_prompts(
 
 # %% ../nbs/72_verify.ipynb #61ff0c72
 def dataset_prompts(recipe, n: int = 16, splits=('eval', 'train')) -> tuple:  # token-id lists, their datasets
-    "`n` prompts, eval split first, taken in turn from each dataset: each sample's ids before its first supervised token"
+    "`n` prompts, eval split first, in turn from each dataset: each sample's ids before its first supervised token"
     from eagle3nb.recipe import load_recipe
     from eagle3nb.merge import load_corpus
 
@@ -148,7 +148,7 @@ def offline_estimate(
     trust_remote_code: bool = False,  # the target's own model code (`target.trust_remote_code`)
     groups: list = None,  # a label per prompt (its dataset): `by_group` holds each group's accept_sim
 ) -> dict:
-    "Simulated accept length of `draft` on the target's own continuations: accept_sim, accept_est, per-step acc, per group"
+    "Simulated accept length of `draft` on the target's own continuations: accept_sim, accept_est, acc, by_group"
     from eagle3nb.target import load_model
 
     tgt = load_model(target_dir, trust_remote_code, dtype=torch.float32).eval()  # a VLM package: its language model

@@ -26,8 +26,8 @@ class Params(_Params):
     num_speculative_tokens: int = Field(3, description='k of the vLLM speculative server')
     max_k: int = Field(
         5,
-        description='recommend num_speculative_tokens up to this k (vLLM servers started here: k = 1, this k, then the '
-        'recommended k and its neighbours); 0 means no recommendation',
+        description='recommend num_speculative_tokens up to this k (vLLM serves k 1 and this k, then the best and its '
+        'neighbours); 0 means no recommendation',
     )
 
     @field_validator('max_k')
@@ -74,7 +74,7 @@ class Record(_Record):
             line += f' (verify {self.verify_accept_length:.2f})'
         line += ' (vLLM; CPU toy tok/s is no guide to GPU speed-up)' if self.engine == 'vllm' else ''
         if r := self.recommendation:
-            line += f"; recommended k={r['k']} (measured order {'agrees' if r['agrees'] else 'disagrees'})"
+            line += f"; recommended k={r['k']} ({'the' if r['agrees'] else 'not the'} measured best)"
         return line
 
 
@@ -180,13 +180,13 @@ def measure_k(ctx: RunContext, export: Path, k: int, prompts: list, max_tokens: 
 
 def recommend(ctx: RunContext, export: Path, prompts: list, max_tokens: int, max_k: int, py=None) -> dict:
     "Measure k = 1 and `max_k`, recommend k from the costs, then serve it and its neighbours to check the order"
-    from eagle3nb.servebench import expected_tok_s, k_costs, order_agrees, recommend_k
+    from eagle3nb.servebench import expected_accept, expected_tok_s, k_costs, order_agrees, recommend_k
 
     runs = {k: measure_k(ctx, export, k, prompts, max_tokens, py) for k in (1, max_k)}
     if not (runs[1]['round_s'] and runs[max_k]['round_s']):
         return dict(k=None, why='the engine proposed no drafts: nothing to recommend from', runs=list(runs.values()))
     a, b = k_costs(runs[1], runs[max_k])
-    tab = expected_tok_s(runs[max_k]['rate_per_position'], a, b)
+    tab = expected_tok_s(expected_accept(runs[1], runs[max_k]), a, b)
     best = recommend_k(tab)
     near = [k for k in (best - 1, best, best + 1) if 1 <= k <= max_k]
     for k in near:
@@ -199,7 +199,8 @@ def recommend(ctx: RunContext, export: Path, prompts: list, max_tokens: int, max
         verify_ms=round(a * 1000, 3),
         draft_step_ms=round(b * 1000, 3),
         checked=near,
-        agrees=order_agrees(tab, checked),
+        agrees=max(checked, key=checked.get) == best,  # the measured best of those served is the recommended k
+        order_agrees=order_agrees(tab, checked),
         measured_best=max(checked, key=checked.get),
         table=tab.round(4).to_dict('records'),
         runs=[runs[k] for k in sorted(runs)],
@@ -296,11 +297,15 @@ def k_lines(rec: Record) -> list:
         return ['no recommendation: it needs vLLM here to serve the draft at each k (max_k 0 turns it off)']
     if not r['k']:
         return [f"no recommendation: {r['why']}"]
-    order = 'agrees' if r['agrees'] else f"disagrees (measured best k={r['measured_best']})"
+    best = 'is the measured best' if r['agrees'] else f"is not the measured best (k={r['measured_best']})"
+    order = 'agrees' if r.get('order_agrees') else 'does not agree'
+    tab = k_table(rec)
+    got = ', '.join(f'k={k} {x:.1f}' for k, x in tab.measured_tok_s.items() if x == x)
     return [
         f"a round costs {r['verify_ms']:.2f} ms of verification + {r['draft_step_ms']:.2f} ms a draft step "
         f"(fitted to k=1 and k={max(x['k'] for x in r['runs'])} served at concurrency 1)",
-        f"recommended num_speculative_tokens: {r['k']} (topk 1); served k={r['checked']}: the measured order {order}",
+        f"recommended num_speculative_tokens: {r['k']} (topk 1); it {best} of k={r['checked']}; "
+        f"their whole order {order} (measured tok/s: {got})",
         'the launch commands above use it',
     ]
 
