@@ -245,7 +245,7 @@ def _serve_bench(a):
 
 
 def _verify(a):
-    "eagle3nb verify DRAFT --target T: serve the draft in vLLM; greedy identity, acceptance, offline estimate"
+    "eagle3nb verify DRAFT --target T [--engine sglang]: serve the draft; greedy identity, acceptance, offline estimate"
     from eagle3nb.verify import verify_cli
 
     sys.exit(
@@ -259,8 +259,9 @@ def _verify(a):
             k=a.num_speculative_tokens,
             json_out=a.json,
             offline=False if a.no_offline else None,
-            engine=a.vllm,
+            engine=a.sglang if a.engine == 'sglang' else a.vllm,
             trust_remote_code=a.trust_remote_code,
+            kind=a.engine,
         )
     )
 
@@ -540,7 +541,9 @@ def parser(suppress: bool = False) -> argparse.ArgumentParser:
     vf.add_argument(
         '--no-offline', action='store_true', help='skip our offline estimate (a target too big to load here)'
     )
+    vf.add_argument('--engine', choices=['vllm', 'sglang'], default='vllm', help='the engine that serves the draft')
     vf.add_argument('--vllm', help='a vLLM venv or its python (default $EAGLE3NB_VLLM, else .venv-vllm)')
+    vf.add_argument('--sglang', help='an SGLang venv or its python (default $EAGLE3NB_SGLANG, else .venv-sglang)')
     _trust_flag(vf)
     rc = sub.add_parser('recipe', help='recipe tools').add_subparsers(
         dest='recipe_verb', required=True, metavar='ACTION'

@@ -346,8 +346,8 @@ class Endpoint:
     model: str  # the model id requests name
     api_key: str | None = None
     how: str = 'started'  # started (here), reused (the run's own), recipe (the recipe's endpoints or a URL given)
-    engine: str | None = None  # vllm, transformers, or None when unknown (a recipe's endpoint)
-    server: Any = None  # the `LocalServer` / `VllmServer` when started here
+    engine: str | None = None  # vllm, sglang, transformers, or None when unknown (a recipe's endpoint)
+    server: Any = None  # the `LocalServer` / `VllmServer` / `SglangServer` when started here
 
 # %% ../nbs/06_phase.ipynb #429ff8e5
 class EngineSession:
@@ -359,14 +359,19 @@ class EngineSession:
         self.started, self._target, self._baselines = [], None, {}
 
     @classmethod
-    def of(cls, target_dir, log_dir=None, python=None, trust_remote_code: bool = False):  # -> EngineSession
-        "A session for the target folder `target_dir` alone: no recipe, no endpoints (a verb, a bench)"
-        t = dict(model=str(target_dir), trust_remote_code=trust_remote_code)
+    def of(cls, target_dir, log_dir=None, python=None, trust_remote_code: bool = False, engine: str = None):
+        "A session for the target folder `target_dir` alone (a verb, a bench): `engine` vllm (default) or sglang"
+        t = dict(model=str(target_dir), trust_remote_code=trust_remote_code, engine=engine)
         return cls(Recipe(name='target', target=t), log_dir, python)
 
     @property
     def target_dir(self) -> str:
         return self.r.target.model
+
+    @property
+    def kind(self) -> str:
+        "The engine that serves drafts and baselines: `target.engine: sglang` makes it SGLang, else vLLM"
+        return 'sglang' if self.r.target.engine == 'sglang' else 'vllm'
 
     @property
     def engine_flags(self) -> dict:
@@ -398,11 +403,12 @@ from fastcore.basics import patch
 
 
 @patch
-def start(self: EngineSession, srv, how: str = 'started', engine: str = 'vllm', wait: bool = True) -> Endpoint:
-    "Launch `srv` (a `LocalServer` or `VllmServer`) and, unless `wait=False`, wait until it answers; `close` stops it"
+def start(self: EngineSession, srv, how: str = 'started', engine: str = None, wait: bool = True) -> Endpoint:
+    "Launch `srv` (a `LocalServer`, `VllmServer`, `SglangServer`) and, unless `wait=False`, wait until it answers"
     self.started.append(srv)
     if not srv.running:
         srv.start()
+    engine = engine or getattr(srv, 'engine', 'transformers')
     ep = Endpoint(srv.base_url, srv.model, None, how, engine, srv)
     return self.wait(ep) if wait else ep
 
@@ -464,15 +470,22 @@ def point(self: EngineSession, url: str, model: str = None) -> Endpoint:
         model = model or list_models(url, api_key=key)[0]
     except httpx.TransportError as e:  # nothing answers there: the user's to fix, in one line
         raise ServerNotReady(f"{url}: no server answers ({e}); start it, or fix target.endpoints") from None
-    return Endpoint(url, model, key, 'recipe', 'vllm' if self._is_vllm(url) else None)
+    return Endpoint(url, model, key, 'recipe', self.engine_at(url))
 
 
 @patch
 def target_engine(self: EngineSession) -> str:
     "Who serves the target when the recipe lists no endpoints: `target.engine`, else vLLM when installed"
-    from eagle3nb.engine import engine_available
+    from eagle3nb.engine import engine_available, sglang_available
 
     t = self.r.target
+    if t.engine == 'sglang' and not sglang_available(self.python):
+        raise RecipeError(
+            "target.engine: sglang, but no SGLang is installed here: run `make engine`, "
+            "or set EAGLE3NB_SGLANG to an SGLang venv or its python"
+        )
+    if t.engine == 'sglang':
+        return 'sglang'
     if t.engine == 'vllm' and not engine_available(self.python):
         raise RecipeError(
             "target.engine: vllm, but no vLLM is installed here: run `make engine`, "
@@ -485,46 +498,68 @@ def target_engine(self: EngineSession) -> str:
 
 @patch
 def target_server(self: EngineSession, engine: str = None):
-    "A server (not started) of the target alone; vLLM's context is the model's own, capped at 8192 tokens"
-    from eagle3nb.engine import VllmServer
+    "A server (not started) of the target alone; the engine's context is the model's own, capped at 8192 tokens"
+    from eagle3nb.engine import SglangServer, VllmServer
     from eagle3nb.server import LocalServer
 
-    if (engine or self.target_engine()) == 'transformers':
+    engine = engine or self.target_engine()
+    if engine == 'transformers':
         return self.flagged(LocalServer(self.target_dir, log_path=self._log('server.log')))  # `transformers serve` too
     c = text_config(self.target_dir)  # a VLM package: its language model's context
     max_len = min(int(c.get('max_position_embeddings') or 2048), 8192)
     log = self._log('server.log')
+    if engine == 'sglang':
+        return SglangServer(self.target_dir, log_path=log, context_length=max_len, **self._py(), **self.engine_flags)
     return VllmServer(self.target_dir, log_path=log, max_model_len=max_len, **self._py(), **self.engine_flags)
 
 
 @patch
-def _is_vllm(self: EngineSession, url: str) -> bool:
-    from eagle3nb.engine import vllm_version
+def available(self: EngineSession, python=None) -> bool:
+    "Is the session's engine (`kind`) installed here (or at `python`)?"
+    from eagle3nb.engine import engine_available, sglang_available
 
-    return vllm_version(url) is not None
+    return (sglang_available if self.kind == 'sglang' else engine_available)(python or self.python)
+
+
+@patch
+def engine_at(self: EngineSession, url: str) -> str | None:
+    "Which engine answers at `url`: vllm (`/version`), sglang (`/server_info`), else None"
+    from eagle3nb.engine import sglang_server_info, vllm_version
+
+    if vllm_version(url) is not None:
+        return 'vllm'
+    return 'sglang' if sglang_server_info(url) is not None else None
+
+
+@patch
+def _is_vllm(self: EngineSession, url: str) -> bool:
+    return self.engine_at(url) == 'vllm'
 
 # %% ../nbs/06_phase.ipynb #7bfd2f6f
 @patch
 def own_vllm(self: EngineSession):  # -> Endpoint | None
-    "The run's own vLLM server of the target (`target.served_here`), fit to be a baseline; else None"
+    "The run's own server of the target (`target.served_here`) in the session's engine (`kind`), fit to be a baseline"
     t = self.r.target
-    if t.served_here and t.endpoints and self._is_vllm(t.endpoints[0]):
+    if t.served_here and t.endpoints and self.engine_at(t.endpoints[0]) == self.kind:
         return self.target()
     return None
 
 
 @patch
 def baseline(self: EngineSession, mla_disable: bool = False, python=None) -> Endpoint:
-    "The target alone in vLLM: the run's own when it fits, else the one started here before, else a new one"
-    from eagle3nb.engine import VllmServer
+    "The target alone in the session's engine: the run's own when it fits, else one started here before, else a new one"
+    from eagle3nb.engine import SglangServer, VllmServer
 
     if not mla_disable and (own := self.own_vllm()):
         return own
-    key = (bool(mla_disable), str(python or self.python))
+    key = (self.kind, bool(mla_disable), str(python or self.python))
     if key not in self._baselines:
         log = self._log('engine_baseline.log')
-        flags = dict(mla_disable=mla_disable, **self._py(python), **self.engine_flags)
-        srv = VllmServer(self.target_dir, log_path=log, **flags)
+        if self.kind == 'sglang':
+            srv = SglangServer(self.target_dir, log_path=log, **self._py(python), **self.engine_flags)
+        else:
+            flags = dict(mla_disable=mla_disable, **self._py(python), **self.engine_flags)
+            srv = VllmServer(self.target_dir, log_path=log, **flags)
         self._baselines[key] = self.start(srv)
     return self._baselines[key]
 
@@ -537,14 +572,17 @@ def speculative(
     mla_disable: bool = False,  # VLLM_MLA_DISABLE=1 (an MLA target, a Llama draft, the CPU build)
     wait: bool = True,  # False: launched, `wait(ep)` next
     python=None,  # the engine's python; default the session's
-    **flags,  # more `VllmServer` arguments
+    **flags,  # more `VllmServer` / `SglangServer` arguments
 ) -> Endpoint:
-    "The target with `draft` as its speculator, `k` tokens a round, started here"
-    from eagle3nb.engine import VllmServer
+    "The target with `draft` as its speculator, `k` tokens a round, started here in the session's engine"
+    from eagle3nb.engine import SglangServer, VllmServer
 
-    spec = dict(method='eagle3', model=str(Path(draft).resolve()), num_speculative_tokens=int(k))
     log = self._log('engine_speculative.log')
     flags = {**self.engine_flags, **self._py(python), **flags}
+    if self.kind == 'sglang':  # its flags are `launch_sglang.sh`'s (`engine.sglang_spec_flags`)
+        srv = SglangServer(self.target_dir, draft=Path(draft).resolve(), k=int(k), log_path=log, **flags)
+        return self.start(srv, wait=wait)
+    spec = dict(method='eagle3', model=str(Path(draft).resolve()), num_speculative_tokens=int(k))
     srv = VllmServer(self.target_dir, speculative=spec, mla_disable=mla_disable, log_path=log, **flags)
     return self.start(srv, wait=wait)
 

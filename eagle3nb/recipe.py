@@ -54,7 +54,7 @@ class Target(_Strict):
     api_key_env: str | None = None  # name of the environment variable holding the endpoints' API key
     thinking: bool = True  # render prompts with thinking on (`thinking` / `enable_thinking`)
     aux_layers: list[int] | None = None  # input-of-layer ids (vLLM convention); default [2, N//2, N-3]
-    engine: Literal['vllm', 'transformers'] | None = (
+    engine: Literal['vllm', 'sglang', 'transformers'] | None = (
         None  # who serves the target when no endpoints are listed; None: vLLM when installed, else transformers
     )
     served_here: bool = False  # set by the runner: `endpoints` is the plain server it started for this run

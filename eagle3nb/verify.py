@@ -257,12 +257,13 @@ def verify(
     engines: EngineSession = None,  # where the servers come from; None: a session of `target_dir` alone, closed here
     log_dir=None,  # keep the servers' logs here
     mla_disable: bool = None,  # None: on for an MLA target with a Llama (MHA) draft on the CPU build
-    python=None,  # the engine's python (a vLLM venv); default `vllm_python()`
+    python=None,  # the engine's python (its venv); default `vllm_python()` / `sglang_python()`
     trust_remote_code: bool = False,  # without `engines`: the target's own code runs (`--trust-remote-code`)
     datasets: list = None,  # each prompt's dataset (`dataset_prompts`): the figures per dataset too
+    engine: str = None,  # without `engines`: vllm (default) or sglang
 ) -> dict:
-    "Serve the draft in vLLM beside the target alone; the figures `--json` writes, plus the continuations"
-    es = engines or EngineSession.of(target_dir, python=python, trust_remote_code=trust_remote_code)
+    "Serve the draft in the engine beside the target alone; the figures `--json` writes, plus the continuations"
+    es = engines or EngineSession.of(target_dir, python=python, trust_remote_code=trust_remote_code, engine=engine)
     trc = es.engine_flags['trust_remote_code']  # the session's recipe says it: its servers and the offline forward
     try:
         r = verify_served(es, draft_dir, prompts, max_tokens, k, mla_disable, log_dir, python, datasets)
@@ -423,9 +424,10 @@ def verify_cli(
     k: int = 3,  # num_speculative_tokens
     json_out=None,  # write the figures here
     offline: bool = None,  # our offline estimate; None: when the target is small enough
-    engine=None,  # a vLLM venv or its python
+    engine=None,  # the engine's venv or its python
     trust_remote_code: bool = False,  # the target's own tokenizer and model code runs (`--trust-remote-code`)
     min_accept: float = 0,  # the goal: a served accept length below it fails; 0 means no goal
+    kind: str = 'vllm',  # the engine that serves it: vllm or sglang
 ) -> int:  # exit status
     "`eagle3nb verify DRAFT --target T`: print the table, write --json; 1 if any check fails"
     from eagle3nb.recipe import write_json
@@ -437,7 +439,9 @@ def verify_cli(
         raise ValueError("give --prompts FILE (JSONL) or --recipe RECIPE (its eval split) to verify on")
     ps, names = (read_prompts(prompts, target, n, trust_remote_code), None) if prompts else dataset_prompts(recipe, n)
     trc = trust_remote_code
-    r = verify(draft, target, ps, max_tokens, k, offline, python=engine, trust_remote_code=trc, datasets=names)
+    r = verify(
+        draft, target, ps, max_tokens, k, offline, python=engine, trust_remote_code=trc, datasets=names, engine=kind
+    )
     df = verify_rows(r, min_accept, '--min-accept')
     print(verify_report(df))
     if table := dataset_report(r.get('per_dataset') or []):

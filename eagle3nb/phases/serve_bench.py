@@ -72,7 +72,8 @@ class Record(_Record):
         )
         if self.verify_accept_length:
             line += f' (verify {self.verify_accept_length:.2f})'
-        line += ' (vLLM; CPU toy tok/s is no guide to GPU speed-up)' if self.engine == 'vllm' else ''
+        eng = dict(vllm='vLLM', sglang='SGLang').get(self.engine)
+        line += f' ({eng}; CPU toy tok/s is no guide to GPU speed-up)' if eng else ''
         if r := self.recommendation:
             line += f"; recommended k={r['k']} ({'the' if r['agrees'] else 'not the'} measured best)"
         return line
@@ -93,12 +94,12 @@ def endpoints(ctx: RunContext, p: Params, export: Path) -> tuple:  # baseline, s
         base = es.point(p.baseline, ctx.recipe.target.served_name) if p.baseline else es.target()
         spec = es.point(p.speculative, base.model) if p.speculative else es.target()
         return base, spec, None
-    if engine_available(p.engine or None) and (export / 'config.json').exists():
+    if es.available(p.engine or None) and (export / 'config.json').exists():
         py = p.engine or None
-        mla = mla_disable_for(ctx.target, export, py)
+        mla = es.kind == 'vllm' and mla_disable_for(ctx.target, export, py)
         spec = es.speculative(export, p.num_speculative_tokens, mla, wait=False, python=py)
         base = es.baseline(mla, py)
-        return base, es.wait(spec), 'vllm'
+        return base, es.wait(spec), es.kind
     t = es.target()
     return t, t, None
 
@@ -149,7 +150,7 @@ def bench(ctx: RunContext, base, spec, engine, prompts: list, cs: list, max_toke
         base.base_url, spec.base_url, base.model, prompts, cs, max_tokens, spec_model=spec.model, api_key=key
     )
     dead_rows(df)
-    agree = agreement(ctx, df, len(prompts), max_tokens, k) if engine == 'vllm' else None
+    agree = agreement(ctx, df, len(prompts), max_tokens, k) if engine else None
     ax = plot_serve_bench(df)
     ax.figure.savefig(ctx.run_dir / 'break_even.png', dpi=100, bbox_inches='tight')
     plt.close(ax.figure)
@@ -157,7 +158,7 @@ def bench(ctx: RunContext, base, spec, engine, prompts: list, cs: list, max_toke
     extra.update(plumbing_check=base.base_url.rstrip('/') == spec.base_url.rstrip('/'), max_tokens=max_tokens)
     launch = launch_commands(export, ctx.target, thinking=ctx.recipe.target.thinking)
     extra.update(export=str(export), launch=launch, engine=engine)
-    extra.update(baseline_reused=engine == 'vllm' and base.how == 'reused', agreement=agree)
+    extra.update(baseline_reused=bool(engine) and base.how == 'reused', agreement=agree)
     extra.update(verify_accept_length=agree['verify'] if agree else None, note=NOTE)
     extra.update(worked_example=None if len(break_even_table(df)) else break_even(**WORKED_EXAMPLE))
     return Record(**bench_record(df, **extra))
@@ -165,15 +166,16 @@ def bench(ctx: RunContext, base, spec, engine, prompts: list, cs: list, max_toke
 # %% ../../nbs/96_phases/80_serve_bench.ipynb #8b195bd3
 def measure_k(ctx: RunContext, export: Path, k: int, prompts: list, max_tokens: int, py=None) -> dict:
     "Serve `export` at `k`, send `prompts` at concurrency 1 and stop it: `servebench.k_measure`'s figures"
-    from eagle3nb.engine import counter_delta, spec_counters
+    from eagle3nb.engine import counters_between, read_counters
     from eagle3nb.servebench import bench_endpoint, k_measure
 
-    ep = ctx.engines.speculative(export, k, mla_disable_for(ctx.target, export, py), python=py)
+    mla = ctx.engines.kind == 'vllm' and mla_disable_for(ctx.target, export, py)
+    ep = ctx.engines.speculative(export, k, mla, python=py)
     try:
         bench_endpoint(ep.base_url, ep.model, prompts, 1, max_tokens)  # warm-up: a whole pass, then the one timed
-        c0 = spec_counters(ep.base_url)
+        c0 = read_counters(ep)
         row = bench_endpoint(ep.base_url, ep.model, prompts, 1, max_tokens)
-        return k_measure(row, counter_delta(c0, spec_counters(ep.base_url)), k)
+        return k_measure(row, counters_between(ep, c0, read_counters(ep)), k)
     finally:
         ctx.engines.stop(ep)
 
@@ -225,10 +227,10 @@ def run(ctx: RunContext, p: Params) -> Record:
     if not prompts:
         raise ValueError('no prompts: the corpus has no eval split and nothing is prepared; run phases 10-40 first')
     base, spec, engine = endpoints(ctx, p, export)
-    if engine == 'vllm':  # the verify phase's prompts, as token ids: the two accept lengths compare
+    if engine:  # the verify phase's prompts, as token ids: the two accept lengths compare
         prompts = recipe_prompts(ctx.recipe, p.n_prompts)
     rec = bench(ctx, base, spec, engine, prompts, cs, p.max_tokens, export, k)
-    if engine != 'vllm' or not p.max_k:
+    if not engine or not p.max_k:
         return rec
     ctx.engines.stop(spec)  # the recommendation's servers run alone
     r = recommend(ctx, export, prompts, p.max_tokens, p.max_k, p.engine or None)

@@ -233,12 +233,13 @@ def served_prompts(ctx: RunContext, inp: Inputs, n: int) -> list:  # token-id li
 
 
 def served_eval(ctx: RunContext, inp: Inputs, p: Params, last: int, say=print):  # -> on_checkpoint, or why not
-    "`train`'s `on_checkpoint` for `served_eval_every`: export the checkpoint, serve it in vLLM, return its figures"
-    from eagle3nb.engine import engine_available, verify_served
+    "`train`'s `on_checkpoint` for `served_eval_every`: export the checkpoint, serve it in the engine, its figures"
+    from eagle3nb.engine import verify_served
     from eagle3nb.export import export_draft
 
-    if not engine_available():
-        return 'no vLLM engine here: run `make engine`, or set EAGLE3NB_VLLM'
+    if not ctx.engines.available():
+        eng = 'SGLang' if ctx.engines.kind == 'sglang' else 'vLLM'
+        return f'no {eng} engine here: run `make engine`, or set EAGLE3NB_{eng.upper()}'
     v = ctx.recipe.phases.get('verify') or {}
     n, max_tokens, k = v.get('n', 8), v.get('max_tokens', 48), v.get('num_speculative_tokens', 3)
     prompts = served_prompts(ctx, inp, n)

@@ -140,7 +140,7 @@ def run(ctx: RunContext, p: Params) -> Record:
     "Serve the export in vLLM beside the target alone; a failing check fails the phase, its record kept"
     from eagle3nb.verify import verify
 
-    if not engine_available(p.engine or None):
+    if not ctx.engines.available(p.engine or None):
         return no_engine().model_copy(update=dict(min_accept=p.min_accept))  # the goal stated, not checked
     export, prompts, names = inputs(ctx, p)
     if export is None:
