@@ -525,7 +525,7 @@ def sglang_env(
         from eagle3nb.sglang_cpu import cpu_launch_env, write_site
 
         site = write_site(Path(tmp or tempfile.mkdtemp(prefix='e3nb-sglang-')) / 'site')
-        e.update(cpu_launch_env(site))
+        e.update(cpu_launch_env(site.parent, threads))
     return {**e, **(env or {})}
 
 # %% ../nbs/05_engine.ipynb #6d937042
