@@ -542,7 +542,7 @@ def _run_held(recipe, r, run_id, run_dir, nbs, sel, serve, stream, nproc=1) -> P
         if served:
             eng = ctx.engines.target_engine()
             _tell(
-                f"serving the target locally with {'vLLM' if eng == 'vllm' else 'transformers serve'} "
+                f"serving the target locally with {dict(vllm='vLLM', sglang='SGLang').get(eng, 'transformers serve')} "
                 f"(log: {run_dir / 'server.log'})"
             )
             e = ctx.engines.target()

@@ -1,0 +1,72 @@
+"The demo with its target on SGLang (`recipes/demo-sglang.yaml`): every phase asks SGLang, and vLLM agrees on its export"
+
+import json, os, subprocess, sys, uuid, shutil
+from pathlib import Path
+import pytest, yaml
+from eagle3nb.engine import sglang_available
+from eagle3nb.toy import toy_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+EAGLE3NB = str(Path(sys.executable).parent / 'eagle3nb')
+
+pytestmark = pytest.mark.skipif(
+    not sglang_available() and not os.environ.get('EAGLE3NB_REQUIRE_ENGINE'),
+    reason='no SGLang engine: run `make engine` (make test builds it and sets EAGLE3NB_REQUIRE_ENGINE=1)',
+)
+
+
+@pytest.fixture
+def run_id():
+    rid = f'pytest-demo-sglang-{uuid.uuid4().hex[:8]}'
+    yield rid
+    shutil.rmtree(ROOT / 'papermill_runs' / rid, ignore_errors=True)
+
+
+def test_demo_sglang_end_to_end(tmp_path, run_id):
+    "recipes/demo-sglang.yaml, its data and catalog in a temp dir, its trained toy from the toy cache"
+    r = yaml.safe_load((ROOT / 'recipes' / 'demo-sglang.yaml').read_text())
+    r.update(data_root=str(tmp_path / 'data'), catalog=str(tmp_path / 'catalog.duckdb'))
+    r['target']['model'] = str(toy_dir(r['target']['toy']))  # built once per machine, shared with the demo test
+    (tmp_path / 'demo-sglang.yaml').write_text(yaml.safe_dump(r))
+    p = subprocess.run(
+        [EAGLE3NB, 'run', str(tmp_path / 'demo-sglang.yaml'), '--run-id', run_id],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=2400,  # a ceiling for a hang, not a wait
+        env={**os.environ, 'OMP_NUM_THREADS': '1'},
+    )
+    assert p.returncode == 0, p.stderr[-4000:]
+    rd = ROOT / 'papermill_runs' / run_id
+    phases = sorted(q.stem for q in (ROOT / 'nbs' / 'phases').glob('[0-9]*_*.ipynb'))
+    state = json.loads((rd / 'run.json').read_text())['phases']
+    assert [s for s in phases if state[s]['status'] == 'completed'] == phases
+    rec = lambda k: json.loads((rd / f'{k}.json').read_text())
+    # the run's own target server was SGLang, and the run says so
+    assert 'serving the target locally with SGLang' in p.stderr
+    assert yaml.safe_load((rd / 'recipe.yaml').read_text())['target']['engine'] == 'sglang'
+    # render parity through SGLang's /tokenize: tool-free prompts equal, prompts with tools not checked
+    par = rec('generate')['parity']
+    assert par['status'] == 'equal' and par['checked'] >= 1 and par['not_checked'] >= 1, par
+    # extraction through SGLang
+    ex = rec('extract')
+    assert ex.get('engine') == 'sglang', {k: ex[k] for k in list(ex)[:12]}
+    # verify: SGLang served the export with launch_sglang.sh's words, greedy unchanged, acceptance counted by SGLang
+    v = rec('verify')
+    assert v['loaded'] and v['greedy_identical'] == v['n_prompts'] and v['accept_length'] > 1.2, v
+    words = (rd / 'launch_sglang.sh').read_text().split()
+    spec = words[words.index('--speculative-algorithm') : words.index('--speculative-num-draft-tokens') + 2]
+    log = (rd / 'engine_logs' / 'spec.log').read_text() if (rd / 'engine_logs' / 'spec.log').exists() else ''
+    assert spec[1] == 'EAGLE3' and ('--speculative-algorithm' not in log or 'EAGLE3' in log)
+    sb = rec('serve_bench')
+    assert sb['engine'] == 'sglang', sb.get('engine')
+    # the same export and prompts served by vLLM: SGLang's accept length within 10% of vLLM's
+    from eagle3nb.verify import dataset_prompts, verify
+
+    prompts, names = dataset_prompts(str(tmp_path / 'demo-sglang.yaml'), v['n_prompts'])
+    ex_dir = tmp_path / 'data' / 'export'
+    vl = verify(ex_dir, r['target']['model'], prompts, v['max_tokens'], v['k'], offline=False, datasets=names)
+    assert vl['loaded'] and vl['greedy_identical'] == len(prompts), vl.get('error')
+    gap = abs(v['accept_length'] - vl['accept_length']) / vl['accept_length']
+    print(f"demo-sglang: SGLang accept {v['accept_length']:.3f}, vLLM {vl['accept_length']:.3f}, gap {gap:.1%}")
+    assert gap <= 0.10, (v['accept_length'], vl['accept_length'])
