@@ -262,6 +262,8 @@ def _verify(a):
             engine=a.sglang if a.engine == 'sglang' else a.vllm,
             trust_remote_code=a.trust_remote_code,
             kind=a.engine,
+            baseline=a.baseline,
+            speculative=a.speculative,
         )
     )
 
@@ -544,6 +546,8 @@ def parser(suppress: bool = False) -> argparse.ArgumentParser:
     vf.add_argument('--engine', choices=['vllm', 'sglang'], default='vllm', help='the engine that serves the draft')
     vf.add_argument('--vllm', help='a vLLM venv or its python (default $EAGLE3NB_VLLM, else .venv-vllm)')
     vf.add_argument('--sglang', help='an SGLang venv or its python (default $EAGLE3NB_SGLANG, else .venv-sglang)')
+    vf.add_argument('--baseline', help='URL of your server of the target alone (with --speculative): nothing started')
+    vf.add_argument('--speculative', help='URL of your server of the target with this draft (SGLang or vLLM)')
     _trust_flag(vf)
     rc = sub.add_parser('recipe', help='recipe tools').add_subparsers(
         dest='recipe_verb', required=True, metavar='ACTION'

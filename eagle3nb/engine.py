@@ -8,7 +8,8 @@ __all__ = ['ENGINE_VAR', 'SGLANG_VAR', 'SILENT_SIGNS', 'EngineNotFound', 'vllm_p
            'parse_counters', 'server_root', 'spec_counters', 'counter_delta', 'vllm_version', 'complete_ids',
            'sglang_python', 'sglang_available', 'sglang_info', 'sglang_spec_flags', 'sglang_command', 'sglang_env',
            'SglangServer', 'generate_ids', 'meta_counters', 'sglang_metrics', 'metrics_delta', 'sglang_server_info',
-           'is_mla', 'mla_disable_for', 'read_counters', 'counters_between', 'verify_served', 'serve_engine']
+           'is_mla', 'mla_disable_for', 'read_counters', 'counters_between', 'finished_requests', 'served_draft',
+           'verify_at', 'verify_served', 'serve_engine']
 
 # %% ../nbs/05_engine.ipynb #c4683b49
 import json, os, re, shutil, signal, subprocess, tempfile, time
@@ -725,8 +726,9 @@ def counters_between(ep, a: dict, b: dict, metas: list = None) -> dict:
 
 def _compare(spec, base, prompts: list, max_tokens: int, out: dict, groups: list = None) -> dict:
     "Greedy ids of both endpoints, and the speculative server's counters over its own requests, per group too"
-    srv = spec.server
-    out = {**out, 'loaded': True, 'ready_s': round(srv.ready_s, 1), 'warnings': _warnings(srv.log_path)}
+    srv = spec.server  # None: a server the user runs (`verify_at`)
+    ready = round(srv.ready_s, 1) if srv else None
+    out = {**out, 'loaded': True, 'ready_s': ready, 'warnings': _warnings(srv.log_path) if srv else []}
     out['engine'] = spec.engine
     want = _greedy(base, prompts, max_tokens)[0]
     groups = groups or ['all'] * len(prompts)
@@ -743,7 +745,8 @@ def _compare(spec, base, prompts: list, max_tokens: int, out: dict, groups: list
             cnt = counters_between(spec, a, read_counters(spec), [metas[i] for i in idx])
             by_group[g] = dict(n_prompts=len(idx), greedy_identical=same, **cnt)
     except (EngineError, httpx.HTTPError) as e:
-        return {**out, 'loaded': False, 'error': str(srv._engine_error(f'failed a request ({e})'))}
+        why = srv._engine_error(f'failed a request ({e})') if srv else f'{spec.base_url} failed a request ({e})'
+        return {**out, 'loaded': False, 'error': str(why)}
     d = counters_between(spec, c0, read_counters(spec), metas)
     same = [a == b for a, b in zip(want, got)]
     return {**out, 'greedy_identical': sum(same), 'identical': same, 'continuations': want, **d, 'by_group': by_group}
@@ -757,6 +760,69 @@ def _keep_logs(logs: dict, log_dir):
     for name, path in logs.items():
         if Path(path).is_file():
             shutil.copy(path, Path(log_dir) / name)
+
+# %% ../nbs/05_engine.ipynb #d1a71b6a
+def finished_requests(ep) -> int:
+    "Requests the server of `ep` has finished since it started (SGLang's `num_requests_total`, vLLM's successes)"
+    if ep.engine == 'sglang':
+        return int(sglang_metrics(ep.base_url)['requests'])
+    with http_client(30) as c:
+        text = raise_for_status(c.get(server_root(ep.base_url) + '/metrics')).text
+    return int(sum(v for n, _, v in prom_samples(text) if n == 'vllm:request_success_total'))
+
+
+def _same_draft(path: str, draft_dir) -> bool | None:
+    "Is the folder a server names our draft? Same path, or the same config.json; None when it is not here to read"
+    p = Path(path)
+    if p.resolve() == Path(draft_dir).resolve():
+        return True
+    if not (p / 'config.json').is_file():
+        return None
+    return json.loads((p / 'config.json').read_text()) == json.loads((Path(draft_dir) / 'config.json').read_text())
+
+
+def served_draft(ep, draft_dir) -> dict:  # ok (True, False, None: cannot tell), detail
+    "Does the speculative server at `ep` serve `draft_dir` as EAGLE-3? What each engine lets us check"
+    if ep.engine == 'sglang':
+        info = sglang_server_info(ep.base_url) or {}
+        alg, path = info.get('speculative_algorithm'), info.get('speculative_draft_model_path')
+        if str(alg).upper() != 'EAGLE3':
+            return dict(ok=False, detail=f"SGLang serves speculative algorithm {alg!r}, not EAGLE3")
+        same = _same_draft(path, draft_dir) if path else None
+        say = {True: 'our draft', False: 'another draft', None: 'a draft not on this machine: not compared'}[same]
+        return dict(ok=same, detail=f"SGLang serves EAGLE3 with {path} ({say})")
+    with http_client(30) as c:
+        text = raise_for_status(c.get(server_root(ep.base_url) + '/metrics')).text
+    if 'vllm:spec_decode_num_drafts' not in text:
+        return dict(ok=False, detail='vLLM has no speculative-decoding counters: it serves no draft')
+    return dict(ok=None, detail='vLLM speculates; it does not report which draft over HTTP: not compared')
+
+# %% ../nbs/05_engine.ipynb #82f48232
+def verify_at(
+    engines,  # the `EngineSession`: points at the URLs (`point`), starts nothing
+    draft_dir,  # the exported draft the speculative server should serve
+    prompts: list,  # token-id lists
+    baseline_url: str,  # the target alone
+    speculative_url: str,  # the target with the draft
+    max_tokens: int = 64,
+    k: int = 3,  # the k the speculative server runs (recorded; it is the server's setting)
+    groups: list = None,  # a label per prompt (its dataset)
+) -> dict:
+    "Measure on two servers the user runs: greedy identity, the speculative server's own counts, its draft checked"
+    spec = engines.point(speculative_url)
+    base = engines.point(baseline_url, spec.model)
+    out = dict(loaded=False, error=None, n_prompts=len(prompts), k=k, started=False)
+    out.update(baseline=baseline_url, speculative=speculative_url, draft_check=served_draft(spec, draft_dir))
+    if out['draft_check']['ok'] is False:
+        return {**out, 'error': out['draft_check']['detail']}
+    n0 = finished_requests(spec)
+    r = _compare(spec, base, prompts, max_tokens, out, groups)
+    other = finished_requests(spec) - n0 - len(prompts)
+    r['other_requests'] = max(other, 0)
+    if other > 0:
+        whose = "SGLang's meta_info counts are ours alone; its /metrics" if spec.engine == 'sglang' else 'its counters'
+        r['traffic_note'] = f"{other} other requests finished on the speculative server meanwhile: {whose} include them"
+    return r
 
 # %% ../nbs/05_engine.ipynb #d32b2033
 def verify_served(

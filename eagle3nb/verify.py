@@ -15,7 +15,7 @@ import pandas as pd
 import torch
 from safetensors.torch import load_file
 from .draft import DraftConfig, Eagle3Draft
-from .engine import verify_served, SILENT_SIGNS
+from .engine import verify_at, verify_served, SILENT_SIGNS
 from .phase import EngineSession
 from .train import evaluate, target_tensors
 from .export import read_checkpoint
@@ -261,12 +261,19 @@ def verify(
     trust_remote_code: bool = False,  # without `engines`: the target's own code runs (`--trust-remote-code`)
     datasets: list = None,  # each prompt's dataset (`dataset_prompts`): the figures per dataset too
     engine: str = None,  # without `engines`: vllm (default) or sglang
+    baseline_url: str = None,  # with `speculative_url`: servers the user runs; nothing is started (`verify_at`)
+    speculative_url: str = None,  # the target with this draft, served by the user
 ) -> dict:
     "Serve the draft in the engine beside the target alone; the figures `--json` writes, plus the continuations"
     es = engines or EngineSession.of(target_dir, python=python, trust_remote_code=trust_remote_code, engine=engine)
     trc = es.engine_flags['trust_remote_code']  # the session's recipe says it: its servers and the offline forward
     try:
-        r = verify_served(es, draft_dir, prompts, max_tokens, k, mla_disable, log_dir, python, datasets)
+        if speculative_url or baseline_url:
+            if not (speculative_url and baseline_url):
+                raise ValueError('give both the baseline URL (the target alone) and the speculative URL, or neither')
+            r = verify_at(es, draft_dir, prompts, baseline_url, speculative_url, max_tokens, k, datasets)
+        else:
+            r = verify_served(es, draft_dir, prompts, max_tokens, k, mla_disable, log_dir, python, datasets)
     finally:
         if engines is None:
             es.close()
@@ -310,7 +317,7 @@ def verify_rows(
                 'FAIL' if bad else 'ok',
                 ' | '.join(bad)
                 if bad
-                else f"ready in {r['ready_s']} s"
+                else (f"ready in {r['ready_s']} s" if r.get('started', True) else f"served at {r['speculative']}")
                 + (f"; engine warnings: {' | '.join(r['warnings'])}" if r.get('warnings') else ''),
             )
         )
@@ -320,6 +327,8 @@ def verify_rows(
             rows + [(c, 'n/a', 'not served') for c in missing],
             columns=['check', 'status', 'detail'],
         )
+    if dc := r.get('draft_check'):
+        rows.append(('draft', {True: 'ok', False: 'FAIL', None: 'n/a'}[dc['ok']], dc['detail']))
     n, same = r['n_prompts'], r['greedy_identical']
     diff = [i for i, s in enumerate(r['identical']) if not s]
     rows.append(
@@ -337,7 +346,7 @@ def verify_rows(
             'acceptance',
             'ok' if ok else 'FAIL',
             f"accept length {al:.2f} at k={r['k']} ({r['accepted']}/{r['draft_tokens']} draft tokens "
-            f"accepted in {r['drafts']} rounds; per position {rates})"
+            f"accepted in {r['drafts']} rounds; per position {rates})" + (f"; {r['traffic_note']}" if r.get('traffic_note') else '')
             if r['drafts']
             else 'the engine proposed no drafts',
         )
@@ -373,6 +382,9 @@ JSON_KEYS = (
     'offline_accept_length',
     'per_dataset',
     'weakest',
+    'engine',
+    'draft_check',
+    'other_requests',
 )
 
 
@@ -428,6 +440,8 @@ def verify_cli(
     trust_remote_code: bool = False,  # the target's own tokenizer and model code runs (`--trust-remote-code`)
     min_accept: float = 0,  # the goal: a served accept length below it fails; 0 means no goal
     kind: str = 'vllm',  # the engine that serves it: vllm or sglang
+    baseline: str = None,  # the URL of a server of the target alone the user runs (with `speculative`)
+    speculative: str = None,  # the URL of the user's server of the target with this draft: nothing is started
 ) -> int:  # exit status
     "`eagle3nb verify DRAFT --target T`: print the table, write --json; 1 if any check fails"
     from eagle3nb.recipe import write_json
@@ -439,9 +453,9 @@ def verify_cli(
         raise ValueError("give --prompts FILE (JSONL) or --recipe RECIPE (its eval split) to verify on")
     ps, names = (read_prompts(prompts, target, n, trust_remote_code), None) if prompts else dataset_prompts(recipe, n)
     trc = trust_remote_code
-    r = verify(
-        draft, target, ps, max_tokens, k, offline, python=engine, trust_remote_code=trc, datasets=names, engine=kind
-    )
+    urls = dict(baseline_url=baseline, speculative_url=speculative)
+    kw = dict(python=engine, trust_remote_code=trc, datasets=names, engine=kind, **urls)
+    r = verify(draft, target, ps, max_tokens, k, offline, **kw)
     df = verify_rows(r, min_accept, '--min-accept')
     print(verify_report(df))
     if table := dataset_report(r.get('per_dataset') or []):

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from eagle3nb.engine import EngineError, SglangServer, generate_ids, sglang_available, sglang_metrics
+from eagle3nb.engine import SglangServer, generate_ids, sglang_available
 from eagle3nb.phase import EngineSession
 from eagle3nb.verify import verify, toy_export as toy_export_
 
@@ -64,12 +64,44 @@ def test_render_parity_through_sglang_tokenize(qwen3):
     assert '"defer_loading": null' in tok.decode(got['tokens'])
 
 
-def test_verify_on_sglang(qwen3, tmp_path):
-    "SGLang serves our export as EAGLE3: greedy output unchanged, acceptance counted by SGLang, offline beside it"
-    es = qwen3['engines']
-    r = verify(qwen3['export'], qwen3['target'], qwen3['prompts'], MAX_TOKENS, 3, engines=es, log_dir=tmp_path)
-    assert r['loaded'], r.get('error')
-    assert r['engine'] == 'sglang' and r['greedy_identical'] == N_PROMPTS, r['identical']
+def _engines_started_during(fn):  # (fn's result, command lines of engine processes that appeared meanwhile)
+    "Run `fn`, watching this process's children: an engine started meanwhile shows up, whoever started it"
+    import threading, time, psutil
+
+    me, seen, done = psutil.Process(), {}, threading.Event()
+    before = {c.pid for c in me.children(recursive=True)}
+
+    def watch():
+        while not done.is_set():
+            for c in me.children(recursive=True):
+                try:
+                    cmd = ' '.join(c.cmdline())
+                except psutil.Error:
+                    continue
+                if c.pid not in before and ('launch_server' in cmd or 'api_server' in cmd):
+                    seen[c.pid] = cmd
+            time.sleep(0.2)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    try:
+        return fn(), list(seen.values())
+    finally:
+        done.set()
+        t.join()
+
+
+def test_verify_on_servers_the_user_runs(qwen3, tmp_path):
+    "SGLang serves our export as EAGLE3 with launch_sglang.sh's words; verify points at it: nothing started"
+    base, export = qwen3['base'], qwen3['export']
+    with SglangServer(qwen3['target'], draft=export, k=3, log_path=tmp_path / 'spec.log') as spec:  # the user's
+        urls = dict(baseline_url=base.base_url, speculative_url=spec.base_url)
+        go = lambda: verify(export, qwen3['target'], qwen3['prompts'], MAX_TOKENS, 3, **urls)
+        r, started = _engines_started_during(go)
+    assert started == [], started
+    assert r['loaded'] and r['started'] is False and r['engine'] == 'sglang', r.get('error')
+    assert r['draft_check']['ok'] is True and 'EAGLE3' in r['draft_check']['detail'], r['draft_check']
+    assert r['greedy_identical'] == N_PROMPTS and r['other_requests'] == 0, (r['identical'], r['other_requests'])
     # SGLang's own counts (response meta_info) and its /metrics over the same requests say the same
     m = r['metrics']
     assert r['drafts'] == m['rounds'] > 0 and m['requests'] == N_PROMPTS
@@ -79,3 +111,7 @@ def test_verify_on_sglang(qwen3, tmp_path):
     assert r['offline_accept_length'] and abs(r['offline_accept_length'] - r['accept_length']) < 0.6, r
     print(f"SGLang verify: accept {r['accept_length']:.3f} (metrics {m['accept_length']:.3f}), ", end='')
     print(f"offline {r['offline_accept_length']:.3f}, SGLang's own {r['engine_accept_length']:.3f}")
+    # a speculative server of another draft (here: none) is refused before anything is measured
+    bad = verify(export, qwen3['target'], qwen3['prompts'][:1], 8, 3, baseline_url=base.base_url,
+                 speculative_url=base.base_url)
+    assert not bad['loaded'] and 'not EAGLE3' in bad['error'], bad

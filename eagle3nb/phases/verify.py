@@ -21,7 +21,13 @@ class Params(_Params):
     )
     max_tokens: int = Field(48, description='greedy tokens per prompt')
     num_speculative_tokens: int = Field(3, description='k in the speculative config')
-    engine: str = Field('', description='a vLLM venv or its python; empty means EAGLE3NB_VLLM, else .venv-vllm')
+    engine: str = Field(
+        '', description="the engine's venv or its python; empty means EAGLE3NB_VLLM / EAGLE3NB_SGLANG, else .venv-*"
+    )
+    baseline: str = Field('', description='URL of a server of the target alone you run (with speculative)')
+    speculative: str = Field(
+        '', description='URL of your server of the target with this draft: nothing is started, its counters are read'
+    )
     require_acceptance: bool = Field(
         True,
         description='fail when the engine accepts no draft token (off for a target nothing can predict)',
@@ -140,7 +146,8 @@ def run(ctx: RunContext, p: Params) -> Record:
     "Serve the export in vLLM beside the target alone; a failing check fails the phase, its record kept"
     from eagle3nb.verify import verify
 
-    if not ctx.engines.available(p.engine or None):
+    urls = dict(baseline_url=p.baseline or None, speculative_url=p.speculative or None)
+    if not p.speculative and not ctx.engines.available(p.engine or None):
         return no_engine().model_copy(update=dict(min_accept=p.min_accept))  # the goal stated, not checked
     export, prompts, names = inputs(ctx, p)
     if export is None:
@@ -156,6 +163,7 @@ def run(ctx: RunContext, p: Params) -> Record:
         log_dir=logs,
         python=p.engine or None,
         datasets=names,
+        **urls,
     )
     rec = record(res, p, export, ctx.target)
     if rec.problems:
