@@ -5,10 +5,10 @@
 # %% auto #0
 __all__ = ['RECORD', 'CHECKS', 'MODE_WORDS', 'LOADERS', 'ENGINE_PROMPTS', 'DoctorError', 'read_server_args',
            'server_args_from_url', 'DraftExport', 'target_lm_head_rows', 'finding', 'toy_export',
-           'check_speculative_algorithm', 'check_fc_width', 'check_head_dim', 'check_aux_layer_ids',
-           'check_hidden_states', 'check_lm_head', 'check_vocab_maps', 'check_special_tokens', 'check_vocab_size',
-           'check_chat_template', 'check_rope', 'check_draft_variant', 'engine_wanted', 'check_engine',
-           'check_render_parity', 'doctor', 'doctor_report', 'doctor_cli']
+           'check_speculative_algorithm', 'check_engine_args', 'check_fc_width', 'check_head_dim',
+           'check_aux_layer_ids', 'check_hidden_states', 'check_lm_head', 'check_vocab_maps', 'check_special_tokens',
+           'check_vocab_size', 'check_chat_template', 'check_rope', 'check_draft_variant', 'engine_wanted',
+           'check_engine', 'check_render_parity', 'doctor', 'doctor_report', 'doctor_cli']
 
 # %% ../nbs/71_doctor.ipynb #0a32c220
 import json, math, os, re, shlex, sys, tempfile, textwrap
@@ -304,6 +304,7 @@ def target_lm_head_rows(
 # %% ../nbs/71_doctor.ipynb #a9d95b7a
 CHECKS = (
     'speculative_algorithm',
+    'engine_args',
     'fc_width',
     'head_dim',
     'aux_layer_ids',
@@ -440,6 +441,40 @@ def check_speculative_algorithm(x: DraftExport, sa: dict = None) -> list:
             )
         )
     return out
+
+# %% ../nbs/71_doctor.ipynb #a10c4557
+def _parser_finding(r: dict) -> dict:
+    "The engine_args finding of one `parse_launch` answer"
+    from eagle3nb.engine_args import NAMES
+
+    n, who = 'engine_args', f"{NAMES[r['engine']]} {r['version'] or ''}".strip()
+    if r['ok'] is None and os.environ.get('EAGLE3NB_REQUIRE_ENGINE'):  # make test: a missing engine is an error
+        return finding(n, 'FAIL', f"{r['error']}, and EAGLE3NB_REQUIRE_ENGINE is set")
+    if r['ok'] is None:
+        return finding(n, 'n/a', r['error'])
+    if not r['ok']:
+        why = f"{who}'s own argument parser refuses the launch command: {r['error']}"
+        return finding(n, 'FAIL', f"{why}. The server would exit with these words at start-up; fix the flag.")
+    return finding(n, 'ok', f"{who}'s own argument parser accepts the launch command (parsed here, nothing started).")
+
+
+def check_engine_args(
+    server_args=None,  # a launch command or script (file or text), as `doctor` takes it
+    server: str = None,  # a running SGLang server's URL
+) -> list:
+    "The launch command passes its engine's own argument parser (run here, parsing only)"
+    from eagle3nb.engine_args import parse_launch
+
+    if not server_args:
+        why = 'the running server parsed its flags already' if server else 'give --server-args FILE to check its flags'
+        return [finding('engine_args', 'n/a', why)]
+    s = _text_of(server_args)
+    if s.lstrip().startswith('{'):
+        return [finding('engine_args', 'n/a', 'the server args are JSON, not a launch command: no flags to parse')]
+    try:
+        return [_parser_finding(parse_launch(s))]
+    except ValueError as e:  # no launch command in it
+        raise DoctorError(str(e)) from None
 
 # %% ../nbs/71_doctor.ipynb #dd56cd63
 def check_fc_width(x: DraftExport) -> list:
@@ -1330,6 +1365,7 @@ def doctor(
 
     fns = dict(
         speculative_algorithm=spec,
+        engine_args=lambda x: check_engine_args(server_args, server),
         fc_width=check_fc_width,
         head_dim=check_head_dim,
         aux_layer_ids=check_aux_layer_ids,

@@ -4,6 +4,7 @@ import http.server, json, shutil, shlex, threading
 import pytest, torch
 from safetensors.torch import load_file, save_file
 from eagle3nb.export import launch_commands
+from eagle3nb.engine_args import launch_of, parse_launches, parse_wanted
 from eagle3nb.doctor import (
     CHECKS,
     RECORD,
@@ -91,23 +92,21 @@ def copy_of(good, tmp_path, config=None, tensors=None, record=None):
 
 
 def test_good_export_passes(good, kimi_tiny, tmp_path, capsys):
-    for cmd in (
-        sglang_cmd(kimi_tiny, good),
-        vllm_cmd(kimi_tiny, good),
-        *launch_commands(good, kimi_tiny, tp=8).values(),
-    ):
+    cmds = [sglang_cmd(kimi_tiny, good), vllm_cmd(kimi_tiny, good), *launch_commands(good, kimi_tiny, tp=8).values()]
+    parse_launches(cmds)  # each engine's parser once for the four lines, side by side; the rows below reuse it
+    for cmd in cmds:
         f = tmp_path / 'launch.sh'
         f.write_text(f'#!/bin/bash\nset -e\n{cmd}\n')
         df = doctor(good, kimi_tiny, server_args=f)
-        assert list(df.check) == list(CHECKS) and list(df.status) == ['ok'] * (len(CHECKS) - 2) + ['n/a'] * 2, (
-            df.to_dict('records')
-        )  # engine, render parity: not asked
+        args = 'ok' if parse_wanted(launch_of(cmd)['engine']) else 'n/a'  # the engine's parser, where it is here
+        want = ['ok', args] + ['ok'] * (len(CHECKS) - 4) + ['n/a'] * 2  # engine, render parity: not asked
+        assert list(df.check) == list(CHECKS) and list(df.status) == want, df.to_dict('records')
         assert doctor_cli(good, kimi_tiny, server_args=str(f), engine=False) == 0
-    assert capsys.readouterr().out.strip().endswith('doctor: all checks passed (2 n/a)')
+    assert capsys.readouterr().out.strip().endswith(f"doctor: all checks passed ({2 + (args == 'n/a')} n/a)")
     assert doctor_cli(good, kimi_tiny, engine=False) == 0
     out = capsys.readouterr().out
     assert (
-        out.strip().endswith('doctor: all checks passed (3 n/a)') and 'give --server-args FILE or --server URL' in out
+        out.strip().endswith('doctor: all checks passed (4 n/a)') and 'give --server-args FILE or --server URL' in out
     )
     with FakeServer(sglang_info(kimi_tiny, good)) as s:
         assert doctor_cli(good, kimi_tiny, server=s.url + "/v1", engine=False) == 0
@@ -287,8 +286,17 @@ PLANTS = {
 }
 
 
+def _accepted(line, python=None):
+    "parse_launch's answer for a line its engine accepts"
+    return dict(launch_of(line), ok=True, error=None, python=python, version='any', seconds=0.0)
+
+
 @pytest.mark.parametrize('name', PLANTS)
-def test_plant_is_caught(name, good, kimi_tiny, tmp_path, capsys):
+def test_plant_is_caught(name, good, kimi_tiny, tmp_path, capsys, monkeypatch):
+    import eagle3nb.engine_args
+
+    # each plant's launch line names its own copy: parsing each would cost seconds; test_engine_args parses them
+    monkeypatch.setattr(eagle3nb.engine_args, 'parse_launch', _accepted)
     how, check, words, also = PLANTS[name]
     how = dict(how)
     cmd, info = how.pop('cmd', None), how.pop('info', 'none')
@@ -329,7 +337,8 @@ def test_broken_export_never_raises(good, kimi_tiny, tmp_path):
     (d / 'model.safetensors').unlink()
     df = doctor(d, kimi_tiny, server_args='no such file').set_index('check')
     assert (
-        (df.status == 'FAIL').sum() == 10
+        (df.status == 'FAIL').sum() == 11
+        and 'neither a file' in df.detail['engine_args']
         and 'cannot read' in df.detail['fc_width']
         and 'cannot read' in df.detail['draft_variant']
         and 'neither a file' in df.detail['speculative_algorithm']
