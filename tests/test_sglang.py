@@ -115,3 +115,29 @@ def test_verify_on_servers_the_user_runs(qwen3, tmp_path):
     bad = verify(export, qwen3['target'], qwen3['prompts'][:1], 8, 3, baseline_url=base.base_url,
                  speculative_url=base.base_url)
     assert not bad['loaded'] and 'not EAGLE3' in bad['error'], bad
+
+
+def test_eagle_flag_on_sglang_serves_our_export_blind(qwen3, tmp_path):
+    "The seeds' bug, shown by SGLang: `--speculative-algorithm EAGLE` serves an EAGLE-3 export with no error, no warning"
+    from eagle3nb.doctor import doctor
+    from eagle3nb.engine import meta_counters
+    from eagle3nb.export import launch_commands
+
+    base, export, prompts = qwen3['base'], qwen3['export'], qwen3['prompts']
+    with SglangServer(qwen3['target'], draft=export, k=3, algorithm='EAGLE', log_path=tmp_path / 'eagle.log') as bad:
+        got = generate_ids(bad.base_url, prompts, MAX_TOKENS)
+    want = generate_ids(base.base_url, prompts, MAX_TOKENS)
+    # the target still verifies every token: the output is the target's own
+    assert [g[0] for g in got] == [w[0] for w in want]
+    # but EAGLE feeds the draft the last hidden state (H), not the three aux states (3H): SGLang's llama_eagle3.py
+    # then skips its fc, and almost nothing is accepted (EAGLE3 on the same export: test_verify_on_servers_...)
+    c = meta_counters([g[1] for g in got])
+    print(f"EAGLE flag on an EAGLE-3 export: accept length {c['accept_length']:.3f} in {c['drafts']} rounds")
+    assert c['drafts'] > 0 and c['accept_length'] < 1.3, c
+    log = (tmp_path / 'eagle.log').read_text()
+    assert 'Traceback' not in log  # silent: no error
+    # doctor refuses that launch line before any engine starts
+    sh = tmp_path / 'launch_sglang.sh'
+    sh.write_text(launch_commands(export, qwen3['target'])['sglang'].replace(' EAGLE3 ', ' EAGLE '))
+    df = doctor(export, qwen3['target'], server_args=sh).set_index('check')
+    assert df.status['speculative_algorithm'] == 'FAIL' and 'EAGLE3' in df.detail['speculative_algorithm']
