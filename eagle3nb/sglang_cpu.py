@@ -7,9 +7,9 @@ __all__ = ['STANDINS', 'SITE', 'STANDINS_PATH', 'CPU_FLAGS', 'assign_req_to_toke
            'assign_draft_cache_locs_contiguous_cpu', 'build_draft_decode_metadata_cpu', 'fill_bonus_tokens_cpu',
            'fill_accept_out_cache_loc_cpu', 'build_tree_kernel_efficient_cpu', 'verify_tree_greedy_cpu',
            'copy_all_layer_kv_cache_cpu', 'decode_attention_cpu', 'extend_attention_cpu', 'fake_sgl_kernel',
-           'patch_overrides', 'write_site', 'cpu_launch_env']
+           'patch_overrides', 'patch_kimi_k25_eagle3', 'define_torchvision_ops', 'write_site', 'cpu_launch_env']
 
-# %% ../nbs/05b_sglang_cpu.ipynb #881d3c99
+# %% ../nbs/05b_sglang_cpu.ipynb #e52f22a7
 import ctypes
 import functools
 import importlib.machinery
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-# %% ../nbs/05b_sglang_cpu.ipynb #27912441
+# %% ../nbs/05b_sglang_cpu.ipynb #f4dcab36
 def assign_req_to_token_pool_cpu(
     req_pool_indices,  # (B,) row of each request in req_to_token
     req_to_token,  # (R, L) int32 slot table, written in place
@@ -35,7 +35,7 @@ def assign_req_to_token_pool_cpu(
         req_to_token[r, s:e] = out_cache_loc[o : o + e - s].to(req_to_token.dtype)
         o += e - s
 
-# %% ../nbs/05b_sglang_cpu.ipynb #fe47fed7
+# %% ../nbs/05b_sglang_cpu.ipynb #d797eb86
 def assign_extend_cache_locs_cpu(
     req_pool_indices,  # (B,) row of each request in req_to_token
     req_to_token,  # (R, L) int32 slot table
@@ -50,7 +50,7 @@ def assign_extend_cache_locs_cpu(
         out_cache_loc[o : o + e - s] = req_to_token[r, s:e]
         o += e - s
 
-# %% ../nbs/05b_sglang_cpu.ipynb #a50387ba
+# %% ../nbs/05b_sglang_cpu.ipynb #92859fc7
 def assign_draft_cache_locs_contiguous_cpu(
     req_pool_indices,  # (B,) row of each request
     req_to_token,  # (R, L) int32 slot table
@@ -65,7 +65,7 @@ def assign_draft_cache_locs_contiguous_cpu(
     for i, (r, s) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
         out_cache_loc[i * n : (i + 1) * n] = req_to_token[r, s : s + n]
 
-# %% ../nbs/05b_sglang_cpu.ipynb #7d7da0b6
+# %% ../nbs/05b_sglang_cpu.ipynb #3e766d67
 def build_draft_decode_metadata_cpu(
     req_to_token,  # (R, L) int32 slot table
     req_pool_indices,  # (B,) row of each request
@@ -82,7 +82,7 @@ def build_draft_decode_metadata_cpu(
             out[b * topk + k, s : s + num_steps] = req_to_token[r, s + k * num_steps : s + (k + 1) * num_steps]
     return out
 
-# %% ../nbs/05b_sglang_cpu.ipynb #c55696e1
+# %% ../nbs/05b_sglang_cpu.ipynb #99a572e7
 def fill_bonus_tokens_cpu(
     accept_tokens,  # (B, W) int32 tokens of each request's accepted path, bonus last
     accept_lens,  # (B,) int32 accepted tokens per request, bonus included
@@ -93,7 +93,7 @@ def fill_bonus_tokens_cpu(
     idx = torch.arange(len(accept_lens)) * accept_stride + accept_lens.long() - 1  # (B,) flat index of the bonus
     bonus_tokens.copy_(accept_tokens.reshape(-1)[idx])
 
-# %% ../nbs/05b_sglang_cpu.ipynb #07ffa4b0
+# %% ../nbs/05b_sglang_cpu.ipynb #695838c7
 def fill_accept_out_cache_loc_cpu(
     accept_index,  # (B, W) flat indices of accepted tokens, -1 where rejected
     out_cache_loc,  # (B * num_draft_tokens,) int64 slots of the round's tokens
@@ -105,7 +105,7 @@ def fill_accept_out_cache_loc_cpu(
     keep = ai[ai > -1]
     accept_out_cache_loc[: len(keep)] = out_cache_loc[keep]
 
-# %% ../nbs/05b_sglang_cpu.ipynb #da06a5da
+# %% ../nbs/05b_sglang_cpu.ipynb #1ab33030
 def build_tree_kernel_efficient_cpu(
     parent_list,  # (B, topk * (depth - 1) + 1) int64 parent of each candidate
     selected_index,  # (B, n - 1) int64 candidates chosen for the tree
@@ -156,7 +156,7 @@ def build_tree_kernel_efficient_cpu(
                 positions[off + t] = s + depth_t
         base += s * n + n * n
 
-# %% ../nbs/05b_sglang_cpu.ipynb #68b48ad8
+# %% ../nbs/05b_sglang_cpu.ipynb #65bab1d5
 def verify_tree_greedy_cpu(
     predicts,  # (B * n,) int32 output: the target's token after each accepted position
     accept_index,  # (B, W) int32 output: flat indices of the accepted path
@@ -186,7 +186,7 @@ def verify_tree_greedy_cpu(
         accept_token_num[b] = n_ok
         predicts[last] = tp[last]
 
-# %% ../nbs/05b_sglang_cpu.ipynb #30e42da0
+# %% ../nbs/05b_sglang_cpu.ipynb #8181e0d3
 def copy_all_layer_kv_cache_cpu(
     data_ptrs,  # (N,) uint64 address of each KV buffer (every layer's K and V)
     strides,  # (N,) bytes per slot row of each buffer
@@ -203,7 +203,7 @@ def copy_all_layer_kv_cache_cpu(
         view = torch.frombuffer(mem, dtype=torch.uint8).view(rows, stride)  # (rows, bytes) over the buffer itself
         view[tgt] = view[src]  # the gather copies first: safe when source and target slots overlap
 
-# %% ../nbs/05b_sglang_cpu.ipynb #249c4cb9
+# %% ../nbs/05b_sglang_cpu.ipynb #c2e99e72
 def _kv(buf, idx, scale: float):  # (S, Hkv, D) float32 rows of a KV buffer
     "Rows `idx` of KV buffer `buf` in float32, fp8 ones multiplied back by their scale"
     x = buf[idx]
@@ -224,7 +224,7 @@ def _attend(q, k, v, scale: float, logit_cap: float, sinks=None, mask=None):  # 
     p = torch.softmax(s, -1)[..., : k.shape[0]]  # (H, T, S)
     return torch.einsum('hts,shd->thd', p, v)
 
-# %% ../nbs/05b_sglang_cpu.ipynb #ac696d21
+# %% ../nbs/05b_sglang_cpu.ipynb #8249f5a6
 def decode_attention_cpu(
     query,  # (B, H, D) one token per request
     k_buffer,  # (slots, Hkv, D) keys of one layer
@@ -258,7 +258,7 @@ def decode_attention_cpu(
                     logit_cap, sinks)  # fmt: skip
         output[i] = o[0].to(output.dtype)
 
-# %% ../nbs/05b_sglang_cpu.ipynb #ca5242cf
+# %% ../nbs/05b_sglang_cpu.ipynb #3d507cf5
 def extend_attention_cpu(
     q_extend,  # (T, H, D) new tokens of all requests, back to back
     k_extend,  # (T, Hkv, D) their keys, or None: read them from the cache
@@ -288,9 +288,13 @@ def extend_attention_cpu(
     rows = zip(req_pool_indices.tolist(), seq_lens.tolist(), extend_seq_lens.tolist(), extend_start_loc.tolist())
     for i, (r, n, e, st) in enumerate(rows):
         p, idx = n - e, req_to_token[r, :n].long()  # p: committed prefix length
-        k, v = _kv(k_buffer, idx, key_scale), _kv(v_buffer, idx, value_scale)  # (n, Hkv, D), (n, Hkv, Dv)
-        if k_extend is not None:
-            k[p:], v[p:] = k_extend[st : st + e].float(), v_extend[st : st + e].float()
+        if k_extend is None:
+            k, v = _kv(k_buffer, idx, key_scale), _kv(v_buffer, idx, value_scale)  # (n, Hkv, D), (n, Hkv, Dv)
+        else:  # the new tokens as given (MLA's prefill passes full heads, not the cached latent), after the prefix
+            k, v = k_extend[st : st + e].float(), v_extend[st : st + e].float()  # (e, Hkv, D), (e, Hkv, Dv)
+            if p > 0:
+                k = torch.cat([_kv(k_buffer, idx[:p], key_scale), k])  # (n, Hkv, D)
+                v = torch.cat([_kv(v_buffer, idx[:p], value_scale), v])  # (n, Hkv, Dv)
         qpos, kpos = torch.arange(p, n)[:, None], torch.arange(n)[None, :]  # (e, 1), (1, n)
         seen = kpos <= qpos if is_causal else torch.ones(e, n, dtype=torch.bool)  # (e, n)
         if tree_mask is not None and tree_mask.numel() > 0:
@@ -300,7 +304,7 @@ def extend_attention_cpu(
         o = _attend(q_extend[st : st + e], k, v, sm_scale, logit_cap, sinks, seen)
         o_extend[st : st + e] = o.to(o_extend.dtype)
 
-# %% ../nbs/05b_sglang_cpu.ipynb #2e69f252
+# %% ../nbs/05b_sglang_cpu.ipynb #af8dd2c3
 STANDINS = (
     'assign_req_to_token_pool_cpu',
     'assign_extend_cache_locs_cpu',
@@ -335,7 +339,7 @@ def fake_sgl_kernel() -> types.ModuleType:
         setattr(ops, name, globals()[name])
     return m
 
-# %% ../nbs/05b_sglang_cpu.ipynb #6a11c134
+# %% ../nbs/05b_sglang_cpu.ipynb #7d4205d0
 def patch_overrides(m):  # sglang.srt.arg_groups.overrides, just executed
     "Make SGLang's start-up keep --attention-backend intel_amx on a CPU without AMX (the stand-ins supply its kernels)"
     rule = m._attention_backend_platform_fallbacks
@@ -352,13 +356,62 @@ def patch_overrides(m):  # sglang.srt.arg_groups.overrides, just executed
     m.POST_PROCESS_PASSES[:] = [keep_intel_amx if f is rule else f for f in m.POST_PROCESS_PASSES]
     m._attention_backend_platform_fallbacks = keep_intel_amx
 
-# %% ../nbs/05b_sglang_cpu.ipynb #452ad5e2
+# %% ../nbs/05b_sglang_cpu.ipynb #34c670de
+class _NoCudaSync:
+    "Within: torch.cuda.synchronize and empty_cache do nothing (used only where CUDA is unavailable)"
+
+    def __enter__(self):
+        self.saved = torch.cuda.synchronize, torch.cuda.empty_cache
+        torch.cuda.synchronize = torch.cuda.empty_cache = lambda *a, **k: None
+
+    def __exit__(self, *exc):
+        torch.cuda.synchronize, torch.cuda.empty_cache = self.saved
+
+
+def patch_kimi_k25_eagle3(m):  # sglang.srt.models.kimi_k25_eagle3, just executed
+    "Let the MLA draft share the target's embedding and head on a CPU torch (its methods end with CUDA calls)"
+    cls = m.Eagle3DeepseekV2ForCausalLM
+    for name in ('set_embed', 'set_embed_and_head'):
+        f = getattr(cls, name)
+        if getattr(f, '_eagle3nb', False):
+            continue
+
+        def on_cpu(self, *args, _f=f, **kw):
+            if torch.cuda.is_available():
+                return _f(self, *args, **kw)
+            with _NoCudaSync():
+                return _f(self, *args, **kw)
+
+        on_cpu._eagle3nb = True
+        setattr(cls, name, functools.wraps(f)(on_cpu))
+
+# %% ../nbs/05b_sglang_cpu.ipynb #f5a454ff
+_LIBS = []  # the op libraries defined here: a torch.library.Library takes its definitions with it when collected
+
+
+def define_torchvision_ops(
+    m=None,  # torchvision._meta_registrations, about to run (unused)
+    ns: str = 'torchvision',  # op namespace
+):
+    "Declare torchvision::nms and ::qnms (schema only) where its C extension did not load, so `import torchvision` works"
+    if hasattr(getattr(torch.ops, ns), 'nms'):
+        return
+    lib = torch.library.Library(ns, 'FRAGMENT')
+    for op in ('nms', 'qnms'):
+        lib.define(f'{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor')
+    _LIBS.append(lib)
+
+# %% ../nbs/05b_sglang_cpu.ipynb #15fd6680
 SITE = '''\
 "Written by eagle3nb (sglang_cpu.write_site) for a CPU SGLang server it starts: SGLang's CPU kernels, in plain torch"
 import importlib.abc, importlib.machinery, importlib.util, os, sys
 
 STANDINS_PATH = {path!r}
-PATCHES = {{'sglang.srt.arg_groups.overrides': 'patch_overrides'}}
+PATCHES = {{  # module -> (when, function of the stand-ins module that gets the module object)
+    'sglang.srt.arg_groups.overrides': ('after', 'patch_overrides'),
+    'torchvision._meta_registrations': ('before', 'define_torchvision_ops'),
+    'sglang.srt.models.kimi_k25_eagle3': ('after', 'patch_kimi_k25_eagle3'),
+}}
 
 
 def _standins():
@@ -382,8 +435,12 @@ class _FakeKernel(importlib.abc.Loader):
 
 class _Patched(importlib.machinery.SourceFileLoader):
     def exec_module(self, module):
+        when, fn = PATCHES[module.__name__]
+        if when == 'before':
+            getattr(_standins(), fn)(module)
         super().exec_module(module)
-        getattr(_standins(), PATCHES[module.__name__])(module)
+        if when == 'after':
+            getattr(_standins(), fn)(module)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -430,7 +487,7 @@ def write_site(
         tmp.replace(f)
     return f
 
-# %% ../nbs/05b_sglang_cpu.ipynb #234db2ed
+# %% ../nbs/05b_sglang_cpu.ipynb #bfc2eee0
 def cpu_launch_env(
     site_dir,  # the folder write_site wrote sitecustomize.py into
     threads: int = None,  # OpenMP threads of the scheduler; default the cores this process may run on
