@@ -603,7 +603,9 @@ def generate_ids(
 
     def one(p):
         body = dict(
-            input_ids=[int(t) for t in p], sampling_params=dict(max_new_tokens=max_tokens, temperature=0), **(extra or {})
+            input_ids=[int(t) for t in p],
+            sampling_params=dict(max_new_tokens=max_tokens, temperature=0),
+            **(extra or {}),
         )
         js = _post(url, body, api_key=api_key)
         return js['output_ids'], js.get('meta_info') or {}

@@ -346,7 +346,8 @@ def verify_rows(
             'acceptance',
             'ok' if ok else 'FAIL',
             f"accept length {al:.2f} at k={r['k']} ({r['accepted']}/{r['draft_tokens']} draft tokens "
-            f"accepted in {r['drafts']} rounds; per position {rates})" + (f"; {r['traffic_note']}" if r.get('traffic_note') else '')
+            f"accepted in {r['drafts']} rounds; per position {rates})"
+            + (f"; {r['traffic_note']}" if r.get('traffic_note') else '')
             if r['drafts']
             else 'the engine proposed no drafts',
         )

@@ -112,8 +112,9 @@ def test_verify_on_servers_the_user_runs(qwen3, tmp_path):
     print(f"SGLang verify: accept {r['accept_length']:.3f} (metrics {m['accept_length']:.3f}), ", end='')
     print(f"offline {r['offline_accept_length']:.3f}, SGLang's own {r['engine_accept_length']:.3f}")
     # a speculative server of another draft (here: none) is refused before anything is measured
-    bad = verify(export, qwen3['target'], qwen3['prompts'][:1], 8, 3, baseline_url=base.base_url,
-                 speculative_url=base.base_url)
+    bad = verify(
+        export, qwen3['target'], qwen3['prompts'][:1], 8, 3, baseline_url=base.base_url, speculative_url=base.base_url
+    )
     assert not bad['loaded'] and 'not EAGLE3' in bad['error'], bad
 
 
