@@ -5,14 +5,16 @@
 # %% auto #0
 __all__ = ['MIN_FREE_GB', 'SPLITS', 'load_target', 'target_id', 'weight_layers', 'check_layer_weights', 'capture',
            'forward_states', 'draft_target_ids', 'topk_draft_probs', 'length_batches', 'NotEnoughDisk', 'preflight',
-           'rank_world', 'mine', 'sample_tensors', 'plan_modes', 'finish_stats', 'extract_modes', 'extract',
-           'flush_all', 'ExtractionStopped', 'stop_message', 'load_d2t', 'corpus_splits', 'stats_row', 'check_request',
-           'target_built', 'extraction_request', 'store_dirs', 'split_rows', 'split_stop', 'extract_recipe']
+           'rank_world', 'mine', 'sample_tensors', 'plan_modes', 'finish_stats', 'ModelSource', 'extract_pass',
+           'extract_modes', 'extract', 'flush_all', 'ExtractionStopped', 'stop_message', 'load_d2t', 'corpus_splits',
+           'stats_row', 'check_request', 'target_built', 'extraction_request', 'store_dirs', 'split_rows', 'split_stop',
+           'extract_splits', 'extract_recipe']
 
 # %% ../nbs/50_extract.ipynb #be6f945d
 import hashlib, json, os, re, time, zlib
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 import torch
 from .recipe import Recipe, default_aux_layers, check_aux_layers, load_recipe
 from .target import load_model, text_config
@@ -349,28 +351,145 @@ def finish_stats(
         )
     return {k['mode']: k['st'] for k in sinks}
 
-
-def _one_batch(model, rows, P, sinks, st, topk, dev):
-    "Forward one batch, hand each sample's unpadded rows to every sink (mode) that lacks it, forward time in `st`"
-    ids, mask, lens = _batch_inputs(rows, dev)
-    tf = time.perf_counter()
-    aux, final = forward_states(model, ids, P['aux_layers'], mask)  # (B, L, n_aux*H), (B, L, H)
-    if dev.type == 'cuda':
-        torch.cuda.synchronize(dev)
-    st['forward_s'] += time.perf_counter() - tf
-    st['forward_samples'], st['forward_tokens'] = st['forward_samples'] + len(rows), st['forward_tokens'] + sum(lens)
-    for b, r in enumerate(rows):  # rows [:T] only: padding never reaches the store
-        for k in (k for k in sinks if r['sample_id'] in k['todo']):
-            k['wr'].add(
-                r['sample_id'],
-                sample_tensors(
-                    r, aux[b, : lens[b]], final[b, : lens[b]], k['mode'], len(P['aux_layers']), k['w_draft'], topk
-                ),
-            )
-            k['st']['samples'] += 1
-            k['st']['tokens'] += lens[b]
-
 # %% ../nbs/50_extract.ipynb #0fd59a74
+class ModelSource:
+    "The target in this process as a pass's source: batches of similar length under a token budget, one forward each"
+
+    name = 'hf'  # what progress and logs call it
+
+    def __init__(
+        self,
+        model,  # a loaded target (`load_target`)
+        token_budget: int = 16384,  # tokens per forward (batch size x longest sample)
+        max_pad: float = 0.0,  # padded share allowed per batch (0 keeps results bit-exact)
+    ):
+        self.model, self.token_budget, self.max_pad = model, token_budget, max_pad
+        self.dev, self.forward_s = next(model.parameters()).device, 0.0  # forward_s: seconds in forwards
+
+    def prepare(self, P: dict, todo: list) -> int:  # bytes it writes meanwhile, besides the stores
+        return 0
+
+    def lm_head(self) -> torch.Tensor:  # (V, H)
+        return self.model.get_output_embeddings().weight
+
+    def release(self, key):  # nothing is held
+        pass
+
+    def extras(self) -> dict:
+        return {}
+
+    def batches(self, P: dict, todo: list):  # yields lists of (row, aux (T, n_aux*H), final (T, H), None)
+        "One forward per batch of `todo`; each sample's rows cut to its own length: padding never reaches the store"
+        for batch in length_batches([P['lens'][j] for j in todo], self.token_budget, self.max_pad):
+            rows = [P['get'](todo[b]) for b in batch]
+            ids, mask, lens = _batch_inputs(rows, self.dev)
+            tf = time.perf_counter()
+            aux, final = forward_states(self.model, ids, P['aux_layers'], mask)  # (B, L, n_aux*H), (B, L, H)
+            if self.dev.type == 'cuda':
+                torch.cuda.synchronize(self.dev)
+            self.forward_s += time.perf_counter() - tf
+            yield [(r, aux[b, : lens[b]], final[b, : lens[b]], None) for b, r in enumerate(rows)]
+
+# %% ../nbs/50_extract.ipynb #2bbcd79b
+def _open(sinks, source, rank: int, shard_bytes: int, catalog, reserve: int, pre: dict, landed):
+    "Each sink's writer (its shards indexed, the keys it held `landed`), draft-vocab head rows and running stats"
+    w = source.lm_head() if any(k['mode'] in TOPK_MODES for k in sinks) else None  # (V, H)
+    for k in sinks:
+        Pk, out = k['P'], k['out']
+        if catalog:
+            sync_index(catalog, out)  # a run killed between a shard's rename and its index rows left a gap
+
+        def on_shard(path, rows, k=k):
+            if catalog:
+                record_index(catalog, k['out'], rows)
+            for key in k['held']:
+                landed(key)
+            k['held'].clear()
+
+        k.update(
+            held=[],  # the keys of the samples in its buffer
+            todo={Pk['ids'][j] for j in Pk['todo']},
+            w_draft=w[Pk['tids'].to(w.device)] if k['mode'] in TOPK_MODES else None,  # (Vd, H)
+            wr=ShardWriter(out, Pk['meta'], shard_bytes, prefix=f'r{rank:03d}', on_shard=on_shard, reserve=reserve),
+            st=dict(samples=0, tokens=0, skipped=Pk['skipped'], forward_s=0.0, planned_bytes=Pk['need']),
+        )
+        k['st']['free_bytes'] = pre['free_bytes']
+
+# %% ../nbs/50_extract.ipynb #8d64f55d
+def _drain(source, sinks, todo: list, left: dict, topk: int, on_batch, progress: bool) -> dict:
+    "Hand what `source` yields to every sink lacking it, until done or the disk reserve; each mode's stats"
+    from tqdm.auto import tqdm
+
+    P, t0, stop, fwd = sinks[0]['P'], time.perf_counter(), None, dict(samples=0, tokens=0)
+    n_aux, desc = len(P['aux_layers']), f"extract {'+'.join(k['mode'] for k in sinks)} ({source.name})"
+    bar = tqdm(total=sum(P['lens'][j] for j in todo), unit='tok', desc=desc, disable=not progress, mininterval=0.5)
+    batches = source.batches(P, todo)
+    try:
+        for batch in batches:
+            fwd['samples'], fwd['tokens'] = fwd['samples'] + len(batch), fwd['tokens'] + sum(len(x[1]) for x in batch)
+            for row, a, fin, key in batch:
+                ks = [k for k in sinks if row['sample_id'] in k['todo']]
+                if key is not None:
+                    left[key] = len(ks)
+                for k in ks:
+                    k['held'] += [key] if key is not None else []
+                    k['wr'].add(row['sample_id'], sample_tensors(row, a, fin, k['mode'], n_aux, k['w_draft'], topk))
+                    k['st']['samples'] += 1
+                    k['st']['tokens'] += len(a)
+                bar.update(len(a))
+            for k in sinks:
+                k['st']['forward_s'] = time.perf_counter() - t0 if source.forward_s is None else source.forward_s
+            if on_batch:
+                on_batch(sinks[0]['st'])
+    except DiskLow as e:  # the next shard would cross the reserve: stop, every store holding complete shards only
+        stop = e
+    finally:  # an engine's requests in flight end; what arrived whole is kept (each store checking its room)
+        batches.close()
+        stop = flush_all(sinks, stop)
+        bar.close()
+    secs = time.perf_counter() - t0
+    for k in sinks:
+        k['st'].update(forward_s=secs if source.forward_s is None else source.forward_s, **source.extras())
+    return finish_stats(sinks, secs, fwd, stop)
+
+# %% ../nbs/50_extract.ipynb #dbdd14d7
+def extract_pass(
+    source,  # where the states come from: `ModelSource` (here) or an engine's (`engine_extract.EngineSource`)
+    samples,  # datasets.Dataset or list of dicts: sample_id, input_ids, loss_mask
+    outs: dict,  # mode (bf16, compact, nf4) -> store folder, one split
+    config,  # the target's config (transformers'): layers, hidden size, vocabulary
+    aux_layers: list = None,  # input-of-layer ids; default [2, N//2, N-3]
+    d2t=None,  # (Vd,) draft vocab offsets; compact and nf4 only; None: the whole target vocab
+    topk: int = 64,  # compact, nf4: probabilities kept per token
+    shard_bytes: int = 1 << 30,  # shard size
+    catalog=None,  # catalog file: record each shard's index rows in `hidden_index`
+    target: str = '',  # target id for the metadata (`target_id`)
+    template_sha256: str = '',  # the chat template's hash, for the metadata
+    rank: int = None,
+    world: int = None,  # default: torchrun's RANK / WORLD_SIZE, else 0 / 1
+    on_batch=None,  # called with the first mode's running stats after each batch
+    min_free_gb: float = MIN_FREE_GB,  # stop (resumable) before a shard would leave less free on the stores' disk
+    progress: bool = False,  # a progress bar, in tokens
+) -> dict:  # mode -> samples, tokens, seconds, tokens_per_s, forward_s, forward_tokens, skipped, shards, stopped, ...
+    "One pass of `source` over the samples some store of `outs` lacks, each stored by every store lacking it"
+    rank, world = rank_world(rank, world)
+    cfg = SimpleNamespace(config=config)  # `_plan` reads `model.config`
+    sinks, todo = plan_modes(cfg, samples, outs, aux_layers, d2t, topk, target, template_sha256, rank, world)
+    P, reserve = sinks[0]['P'], int(min_free_gb * 1e9)
+    extra = source.prepare(P, todo)  # what the source writes meanwhile (vLLM: spool files in flight)
+    pre = preflight(sinks[0]['out'], sum(k['P']['need'] for k in sinks) + extra, reserve=reserve)
+    left = {}  # key -> stores whose buffer holds its sample; released when the last of them lands its shard
+
+    def landed(key):
+        left[key] -= 1
+        if not left[key]:
+            del left[key]
+            source.release(key)
+
+    _open(sinks, source, rank, shard_bytes, catalog, reserve, pre, landed)
+    return _drain(source, sinks, todo, left, topk, on_batch, progress)
+
+# %% ../nbs/50_extract.ipynb #1bf76dcb
 def extract_modes(
     model,  # a loaded target (`load_target`)
     samples,  # datasets.Dataset or list of dicts: sample_id, input_ids, loss_mask
@@ -388,45 +507,11 @@ def extract_modes(
     world: int = None,  # default: torchrun's RANK / WORLD_SIZE, else 0 / 1
     on_batch=None,  # called with the first mode's running stats after each batch
     min_free_gb: float = MIN_FREE_GB,  # stop (resumable) before a shard would leave less free on the stores' disk
-) -> dict:  # mode -> samples, tokens, seconds, tokens_per_s, forward_s, forward_tokens, skipped, shards, stopped, ...
+) -> dict:  # as `extract_pass`
     "Run the target over `samples` once into every mode's store that lacks them, resuming where a run stopped"
-    rank, world = rank_world(rank, world)
-    sinks, todo = plan_modes(model, samples, outs, aux_layers, d2t, topk, target, template_sha256, rank, world)
-    P = sinks[0]['P']
-    reserve = int(min_free_gb * 1e9)
-    pre = preflight(sinks[0]['out'], sum(k['P']['need'] for k in sinks), reserve=reserve)
-    dev, st = next(model.parameters()).device, dict(forward_s=0.0, forward_samples=0, forward_tokens=0)
-    w = model.get_output_embeddings().weight  # (V, H)
-    for k in sinks:
-        Pk, out = k['P'], k['out']
-        if catalog:
-            sync_index(catalog, out)  # a run killed between a shard's rename and its index rows left a gap
-        on_shard = (lambda out: lambda path, rows: record_index(catalog, out, rows))(out) if catalog else None
-        k.update(
-            todo={Pk['ids'][j] for j in Pk['todo']},
-            w_draft=w[Pk['tids'].to(w.device)] if k['mode'] in TOPK_MODES else None,  # (Vd, H)
-            wr=ShardWriter(out, Pk['meta'], shard_bytes, prefix=f'r{rank:03d}', on_shard=on_shard, reserve=reserve),
-            st=dict(
-                samples=0,
-                tokens=0,
-                skipped=Pk['skipped'],
-                forward_s=0.0,
-                planned_bytes=Pk['need'],
-                free_bytes=pre['free_bytes'],
-            ),
-        )
-    t0, stop = time.perf_counter(), None
-    try:
-        for batch in length_batches([P['lens'][j] for j in todo], token_budget, max_pad):
-            _one_batch(model, [P['get'](todo[b]) for b in batch], P, sinks, st, topk, dev)
-            for k in sinks:
-                k['st']['forward_s'] = st['forward_s']
-            if on_batch:
-                on_batch(sinks[0]['st'])
-    except DiskLow as e:  # the next shard would cross the reserve: stop, every store holding complete shards only
-        stop = e
-    fwd = dict(samples=st['forward_samples'], tokens=st['forward_tokens'])
-    return finish_stats(sinks, time.perf_counter() - t0, fwd, flush_all(sinks, stop))
+    source = ModelSource(model, token_budget, max_pad)
+    args = (aux_layers, d2t, topk, shard_bytes, catalog, target, template_sha256, rank, world, on_batch, min_free_gb)
+    return extract_pass(source, samples, outs, model.config, *args)
 
 
 def extract(
@@ -657,6 +742,28 @@ def split_stop(req: dict, sts: dict, log=print) -> dict | None:  # the stop's fa
     log(stop_message(stop))
     return stop
 
+
+def extract_splits(
+    req: dict,  # `extraction_request`
+    run_split,  # (samples, outs) -> mode -> stats: the backend's pass over one split, every mode at once
+    who: str,  # how the log names the backend: `rank 0`, `vllm`, `sglang`
+    log=print,
+    check: bool = True,  # validate each store (False: one rank of several)
+) -> list:  # one row per mode and split, mode by mode
+    "Every corpus split of `req`, one pass each, stopping where the disk did; the table rows"
+    rows, also = [], f' for {"+".join(req["modes"])}' if len(req['modes']) > 1 else ''
+    for s, ds in req['corpora'].items():
+        sts = run_split(ds, store_dirs(req, s))
+        stop = split_stop(req, sts, log)
+        rows += split_rows(req, s, ds, sts, check)
+        for mode, st in sts.items():
+            asked = f', {st["requests"]} engine requests{also}' if 'requests' in st else ''
+            done = f'{st["samples"]} new samples, {st["tokens"]} tokens, {st["tokens_per_s"]:.0f} tokens/s'
+            log(f'{who}: {mode}/{s}: {done}{asked}')
+        if stop:
+            break  # the next split needs the same disk
+    return sorted(rows, key=lambda x: req['modes'].index(x['mode']))  # mode by mode
+
 # %% ../nbs/50_extract.ipynb #c226c045
 def extract_recipe(
     recipe,  # recipe YAML path or resolved `Recipe`
@@ -690,16 +797,5 @@ def extract_recipe(
         template_sha256=req['template_sha256'],
         min_free_gb=min_free_gb,
     )
-    rows = []
-    for s, ds in req['corpora'].items():  # every mode of a split from one forward per batch
-        sts = extract_modes(model, ds, store_dirs(req, s), **kw)
-        stop = split_stop(req, sts, log)
-        rows += split_rows(req, s, ds, sts, check=world == 1)
-        for mode, st in sts.items():
-            log(
-                f'rank {rank}: {mode}/{s}: {st["samples"]} new samples, {st["tokens"]} tokens, '
-                f'{st["tokens_per_s"]:.0f} tokens/s'
-            )
-        if stop:
-            break  # the next split needs the same disk
-    return sorted(rows, key=lambda x: req['modes'].index(x['mode']))  # mode by mode
+    run_split = lambda ds, outs: extract_modes(model, ds, outs, **kw)  # every mode of a split from one forward a batch
+    return extract_splits(req, run_split, f'rank {rank}', log, check=world == 1)
