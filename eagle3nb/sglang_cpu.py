@@ -9,18 +9,17 @@ __all__ = ['STANDINS', 'SITE', 'STANDINS_PATH', 'CPU_FLAGS', 'assign_req_to_toke
            'copy_all_layer_kv_cache_cpu', 'decode_attention_cpu', 'extend_attention_cpu', 'fake_sgl_kernel',
            'patch_overrides', 'patch_kimi_k25_eagle3', 'define_torchvision_ops', 'write_site', 'cpu_launch_env']
 
-# %% ../nbs/05b_sglang_cpu.ipynb #e52f22a7
+# %% ../nbs/05b_sglang_cpu.ipynb #307f1fae
 import ctypes
 import functools
 import importlib.machinery
 import os
-import sys
 import types
 from pathlib import Path
 
 import torch
 
-# %% ../nbs/05b_sglang_cpu.ipynb #f4dcab36
+# %% ../nbs/05b_sglang_cpu.ipynb #b59bc624
 def assign_req_to_token_pool_cpu(
     req_pool_indices,  # (B,) row of each request in req_to_token
     req_to_token,  # (R, L) int32 slot table, written in place
@@ -35,7 +34,7 @@ def assign_req_to_token_pool_cpu(
         req_to_token[r, s:e] = out_cache_loc[o : o + e - s].to(req_to_token.dtype)
         o += e - s
 
-# %% ../nbs/05b_sglang_cpu.ipynb #d797eb86
+# %% ../nbs/05b_sglang_cpu.ipynb #50de4ea5
 def assign_extend_cache_locs_cpu(
     req_pool_indices,  # (B,) row of each request in req_to_token
     req_to_token,  # (R, L) int32 slot table
@@ -50,7 +49,7 @@ def assign_extend_cache_locs_cpu(
         out_cache_loc[o : o + e - s] = req_to_token[r, s:e]
         o += e - s
 
-# %% ../nbs/05b_sglang_cpu.ipynb #92859fc7
+# %% ../nbs/05b_sglang_cpu.ipynb #80794946
 def assign_draft_cache_locs_contiguous_cpu(
     req_pool_indices,  # (B,) row of each request
     req_to_token,  # (R, L) int32 slot table
@@ -65,7 +64,7 @@ def assign_draft_cache_locs_contiguous_cpu(
     for i, (r, s) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
         out_cache_loc[i * n : (i + 1) * n] = req_to_token[r, s : s + n]
 
-# %% ../nbs/05b_sglang_cpu.ipynb #3e766d67
+# %% ../nbs/05b_sglang_cpu.ipynb #7a7004e6
 def build_draft_decode_metadata_cpu(
     req_to_token,  # (R, L) int32 slot table
     req_pool_indices,  # (B,) row of each request
@@ -82,7 +81,7 @@ def build_draft_decode_metadata_cpu(
             out[b * topk + k, s : s + num_steps] = req_to_token[r, s + k * num_steps : s + (k + 1) * num_steps]
     return out
 
-# %% ../nbs/05b_sglang_cpu.ipynb #99a572e7
+# %% ../nbs/05b_sglang_cpu.ipynb #e0a341d0
 def fill_bonus_tokens_cpu(
     accept_tokens,  # (B, W) int32 tokens of each request's accepted path, bonus last
     accept_lens,  # (B,) int32 accepted tokens per request, bonus included
@@ -93,7 +92,7 @@ def fill_bonus_tokens_cpu(
     idx = torch.arange(len(accept_lens)) * accept_stride + accept_lens.long() - 1  # (B,) flat index of the bonus
     bonus_tokens.copy_(accept_tokens.reshape(-1)[idx])
 
-# %% ../nbs/05b_sglang_cpu.ipynb #695838c7
+# %% ../nbs/05b_sglang_cpu.ipynb #54cba7f6
 def fill_accept_out_cache_loc_cpu(
     accept_index,  # (B, W) flat indices of accepted tokens, -1 where rejected
     out_cache_loc,  # (B * num_draft_tokens,) int64 slots of the round's tokens
@@ -105,7 +104,7 @@ def fill_accept_out_cache_loc_cpu(
     keep = ai[ai > -1]
     accept_out_cache_loc[: len(keep)] = out_cache_loc[keep]
 
-# %% ../nbs/05b_sglang_cpu.ipynb #1ab33030
+# %% ../nbs/05b_sglang_cpu.ipynb #e23bf19e
 def build_tree_kernel_efficient_cpu(
     parent_list,  # (B, topk * (depth - 1) + 1) int64 parent of each candidate
     selected_index,  # (B, n - 1) int64 candidates chosen for the tree
@@ -156,7 +155,7 @@ def build_tree_kernel_efficient_cpu(
                 positions[off + t] = s + depth_t
         base += s * n + n * n
 
-# %% ../nbs/05b_sglang_cpu.ipynb #65bab1d5
+# %% ../nbs/05b_sglang_cpu.ipynb #3890695a
 def verify_tree_greedy_cpu(
     predicts,  # (B * n,) int32 output: the target's token after each accepted position
     accept_index,  # (B, W) int32 output: flat indices of the accepted path
@@ -186,7 +185,7 @@ def verify_tree_greedy_cpu(
         accept_token_num[b] = n_ok
         predicts[last] = tp[last]
 
-# %% ../nbs/05b_sglang_cpu.ipynb #8181e0d3
+# %% ../nbs/05b_sglang_cpu.ipynb #5db73c7e
 def copy_all_layer_kv_cache_cpu(
     data_ptrs,  # (N,) uint64 address of each KV buffer (every layer's K and V)
     strides,  # (N,) bytes per slot row of each buffer
@@ -203,7 +202,7 @@ def copy_all_layer_kv_cache_cpu(
         view = torch.frombuffer(mem, dtype=torch.uint8).view(rows, stride)  # (rows, bytes) over the buffer itself
         view[tgt] = view[src]  # the gather copies first: safe when source and target slots overlap
 
-# %% ../nbs/05b_sglang_cpu.ipynb #c2e99e72
+# %% ../nbs/05b_sglang_cpu.ipynb #0067e515
 def _kv(buf, idx, scale: float):  # (S, Hkv, D) float32 rows of a KV buffer
     "Rows `idx` of KV buffer `buf` in float32, fp8 ones multiplied back by their scale"
     x = buf[idx]
@@ -224,7 +223,7 @@ def _attend(q, k, v, scale: float, logit_cap: float, sinks=None, mask=None):  # 
     p = torch.softmax(s, -1)[..., : k.shape[0]]  # (H, T, S)
     return torch.einsum('hts,shd->thd', p, v)
 
-# %% ../nbs/05b_sglang_cpu.ipynb #8249f5a6
+# %% ../nbs/05b_sglang_cpu.ipynb #fa235d06
 def decode_attention_cpu(
     query,  # (B, H, D) one token per request
     k_buffer,  # (slots, Hkv, D) keys of one layer
@@ -258,7 +257,7 @@ def decode_attention_cpu(
                     logit_cap, sinks)  # fmt: skip
         output[i] = o[0].to(output.dtype)
 
-# %% ../nbs/05b_sglang_cpu.ipynb #3d507cf5
+# %% ../nbs/05b_sglang_cpu.ipynb #506db407
 def extend_attention_cpu(
     q_extend,  # (T, H, D) new tokens of all requests, back to back
     k_extend,  # (T, Hkv, D) their keys, or None: read them from the cache
@@ -304,7 +303,7 @@ def extend_attention_cpu(
         o = _attend(q_extend[st : st + e], k, v, sm_scale, logit_cap, sinks, seen)
         o_extend[st : st + e] = o.to(o_extend.dtype)
 
-# %% ../nbs/05b_sglang_cpu.ipynb #af8dd2c3
+# %% ../nbs/05b_sglang_cpu.ipynb #bd890a18
 STANDINS = (
     'assign_req_to_token_pool_cpu',
     'assign_extend_cache_locs_cpu',
@@ -339,7 +338,7 @@ def fake_sgl_kernel() -> types.ModuleType:
         setattr(ops, name, globals()[name])
     return m
 
-# %% ../nbs/05b_sglang_cpu.ipynb #7d4205d0
+# %% ../nbs/05b_sglang_cpu.ipynb #ca513dbd
 def patch_overrides(m):  # sglang.srt.arg_groups.overrides, just executed
     "Make SGLang's start-up keep --attention-backend intel_amx on a CPU without AMX (the stand-ins supply its kernels)"
     rule = m._attention_backend_platform_fallbacks
@@ -356,7 +355,7 @@ def patch_overrides(m):  # sglang.srt.arg_groups.overrides, just executed
     m.POST_PROCESS_PASSES[:] = [keep_intel_amx if f is rule else f for f in m.POST_PROCESS_PASSES]
     m._attention_backend_platform_fallbacks = keep_intel_amx
 
-# %% ../nbs/05b_sglang_cpu.ipynb #34c670de
+# %% ../nbs/05b_sglang_cpu.ipynb #9553436a
 class _NoCudaSync:
     "Within: torch.cuda.synchronize and empty_cache do nothing (used only where CUDA is unavailable)"
 
@@ -385,7 +384,7 @@ def patch_kimi_k25_eagle3(m):  # sglang.srt.models.kimi_k25_eagle3, just execute
         on_cpu._eagle3nb = True
         setattr(cls, name, functools.wraps(f)(on_cpu))
 
-# %% ../nbs/05b_sglang_cpu.ipynb #f5a454ff
+# %% ../nbs/05b_sglang_cpu.ipynb #a6f2a8e4
 _LIBS = []  # the op libraries defined here: a torch.library.Library takes its definitions with it when collected
 
 
@@ -393,7 +392,7 @@ def define_torchvision_ops(
     m=None,  # torchvision._meta_registrations, about to run (unused)
     ns: str = 'torchvision',  # op namespace
 ):
-    "Declare torchvision::nms and ::qnms (schema only) where its C extension did not load, so `import torchvision` works"
+    "Declare torchvision::nms and ::qnms (schema only) where its C extension is missing, so `import torchvision` works"
     if hasattr(getattr(torch.ops, ns), 'nms'):
         return
     lib = torch.library.Library(ns, 'FRAGMENT')
@@ -401,7 +400,7 @@ def define_torchvision_ops(
         lib.define(f'{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor')
     _LIBS.append(lib)
 
-# %% ../nbs/05b_sglang_cpu.ipynb #15fd6680
+# %% ../nbs/05b_sglang_cpu.ipynb #b11de6af
 SITE = '''\
 "Written by eagle3nb (sglang_cpu.write_site) for a CPU SGLang server it starts: SGLang's CPU kernels, in plain torch"
 import importlib.abc, importlib.machinery, importlib.util, os, sys
@@ -487,7 +486,7 @@ def write_site(
         tmp.replace(f)
     return f
 
-# %% ../nbs/05b_sglang_cpu.ipynb #bfc2eee0
+# %% ../nbs/05b_sglang_cpu.ipynb #26e28dde
 def cpu_launch_env(
     site_dir,  # the folder write_site wrote sitecustomize.py into
     threads: int = None,  # OpenMP threads of the scheduler; default the cores this process may run on

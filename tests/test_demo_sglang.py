@@ -48,6 +48,10 @@ def test_demo_sglang_end_to_end(tmp_path, run_id):
     # render parity through SGLang's /tokenize: tool-free prompts equal, prompts with tools not checked
     par = rec('generate')['parity']
     assert par['status'] == 'equal' and par['checked'] >= 1 and par['not_checked'] >= 1, par
+    # served eval during training: SGLang served the step-200 checkpoint
+    tr = rec('train')
+    assert [s['step'] for s in tr['served']] == [200] and tr['served'][0]['loaded'], tr['served']
+    assert tr['served'][0]['greedy_identical'] == tr['served'][0]['n_prompts'], tr['served']
     # extraction through SGLang
     ex = rec('extract')
     assert ex.get('engine') == 'sglang', {k: ex[k] for k in list(ex)[:12]}
