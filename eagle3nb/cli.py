@@ -6,7 +6,7 @@
 __all__ = ['TOOL_VERBS', 'phase_args', 'parser', 'phase_parser', 'parse_cli', 'main']
 
 # %% ../nbs/99_cli.ipynb #069af539
-import argparse, json, os, sys
+import argparse, json, os, signal, sys
 from pathlib import Path
 
 # %% ../nbs/99_cli.ipynb #44132df3
@@ -717,6 +717,8 @@ def _interrupted(a) -> str:
 
 def main(argv=None):
     "Entry point of the `eagle3nb` command"
+    if argv is None:  # the command itself: Ctrl-C stops it however it was started (nohup, `cmd &` ignore SIGINT)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     argv = sys.argv[1:] if argv is None else [str(x) for x in argv]
     p, a = parse_cli(argv)
     a.given = parse_cli(argv, suppress=True)[1]  # only the phase flags the user gave
