@@ -25,7 +25,7 @@ from eagle3nb.extract import (
     extract_splits,
     extraction_request,
 )
-from .recipe import Recipe, default_aux_layers
+from .recipe import Recipe, default_aux_layers, role
 from .target import target_config, text_config
 from .server import hold_lock, owned_by, reap_leftovers
 from .recipe import retrying
@@ -109,7 +109,7 @@ def extract_server(
     model_dir,  # target model folder
     spool,  # the connector's output folder
     layer_ids: list,  # aux ids + [N]
-    max_model_len: int = 2048,  # >= the longest sample + 1
+    context: int = 2048,  # >= the longest sample + 1, where the settings (`launch`) give none
     python=None,  # the engine's python; default `vllm_python()`
     env: dict = None,
     extra: list = (),
@@ -129,7 +129,7 @@ def extract_server(
         speculative=extract_spec(layer_ids),
         kv_transfer=extract_kv_config(spool, cpu),
         env=env,
-        max_model_len=max_model_len,
+        context=context,
         extra=['--no-enable-chunked-prefill', *extra],
         **kw,
     )
@@ -611,30 +611,31 @@ def _sg_fetch(self: SglangClient, row: dict) -> tuple:
 SglangClient.generate, SglangClient.ask, SglangClient.fetch = _generate, _sg_ask, _sg_fetch
 
 # %% ../nbs/52_engine_extract.ipynb #c9b31631
+def _said(launch) -> str:
+    "A `Launch` in a log line: what it sets"
+    return ', '.join(f'{k} {v}' for k, v in launch.model_dump(exclude_defaults=True).items()) or "the engine's defaults"
+
+
 def extraction_endpoint(
     ctx,  # the `RunContext`: its `engines` decide
     layer_ids: list,  # aux ids + [N]
     spool: str = '',  # the recipe's engine: the folder its connector writes; default (ours) hidden/.engine/spool
     max_len: int = 2048,  # the longest sample
-    dtype: str = '',  # a server started here: --dtype; default float32 on the CPU build, auto on GPUs
+    dtype: str = '',  # a server started here: --dtype over `serving.extract.launch`'s
     log=print,
 ) -> tuple:  # base URLs, model id, API key, spool folder, whether the server (and its spool) is ours
     "The engine an extraction sends its requests to, from `ctx.engines.extraction`"
-    t = ctx.recipe.target
+    t, ro = ctx.recipe.target, role(ctx.recipe, 'extract')
     ours = Path(spool or ctx.data_root / 'hidden' / '.engine' / 'spool')
 
     def make():  # called only when the session starts one here (it adds the recipe's --trust-remote-code)
-        if t.served_here:
-            log(
-                f"{t.endpoints[0]} is the run's plain target server (no hidden-states connector): "
-                "launching an extraction server"
-            )
+        log(f"no extraction servers in the recipe (serving.extract.urls): launching one here ({_said(ro.launch)})")
         check_layer_weights(t.model)  # the engine we launch loads it
         ours.mkdir(parents=True, exist_ok=True)
         py = vllm_python()
-        dt = dtype or ('float32' if engine_info(py)['cpu'] else 'auto')
+        launch = ro.launch.model_copy(update=dict(dtype=dtype)) if dtype else ro.launch
         log_path = ours.parent / 'server.log'  # kept with the data: the record of the engine's run
-        kw = dict(dtype=dt, python=py, log_path=log_path)
+        kw = dict(launch=launch, python=py, log_path=log_path)
         return extract_server(t.model, ours, layer_ids, max(2048, max_len + 8), **kw)
 
     ep = ctx.engines.extraction(make)
@@ -644,10 +645,10 @@ def extraction_endpoint(
         return [ep.base_url], ep.model, ep.api_key, ours, True
     if not spool:
         raise ValueError(
-            "target.endpoints is set: give phases.extract.spool (or --spool), the folder the engine's "
+            "serving.extract.urls is set: give phases.extract.spool (or --spool), the folder their "
             "hidden-states connector writes (its shared_storage_path), readable from here"
         )
-    urls = t.endpoints if ep.how == 'recipe' else [ep.base_url]  # the recipe's: every endpoint, round robin
+    urls = ro.urls if ep.how == 'recipe' else [ep.base_url]  # the recipe's: every server, round robin
     return urls, ep.model, ep.api_key, Path(spool), False
 
 # %% ../nbs/52_engine_extract.ipynb #c4cbbc47
@@ -708,7 +709,7 @@ def sglang_roles(
     for kind, flag in (('aux', '--enable-return-aux-hidden-states'), ('final', '--enable-return-hidden-states')):
         if not out[kind]:
             raise EngineExtractError(
-                f"target.endpoints has no SGLang server returning the {kind} states ({flag}); an extraction "
+                f"serving.extract.urls has no SGLang server returning the {kind} states ({flag}); an extraction "
                 "asks an aux server and a final server for every sample (`sglang_extract_servers`)"
             )
     return out
@@ -719,24 +720,26 @@ def sglang_endpoints(
     aux_layers: list,
     n_layers: int,
     max_len: int = 2048,  # the longest sample
-    dtype: str = '',  # servers started here: --dtype; default SGLang's (float32 on our CPU server)
+    dtype: str = '',  # servers started here: --dtype over `serving.extract.launch`'s
     log=print,
 ) -> tuple:  # aux URLs, final URLs, API key
     "The SGLang servers an extraction asks, from `ctx.engines.extraction`: the recipe's, else two started here"
-    t, later = ctx.recipe.target, {}
+    t, later, ro = ctx.recipe.target, {}, role(ctx.recipe, 'extract')
 
     def make():  # called only when the session starts servers here; the final server starts beside the aux one
-        if t.served_here:
-            log(f"{t.endpoints[0]} is the run's plain target server: launching two SGLang extraction servers")
+        log(
+            f"no extraction servers in the recipe (serving.extract.urls): launching two SGLang servers here "
+            f"({_said(ro.launch)})"
+        )
         check_layer_weights(t.model)  # the engine we launch loads it
-        kw = dict(dtype=dtype) if dtype else {}
+        kw = dict(launch=ro.launch.model_copy(update=dict(dtype=dtype)) if dtype else ro.launch)
         aux, final = sglang_extract_servers(t.model, aux_layers, ctx.data_root / 'hidden' / '.engine', **kw)
         later['final'] = ctx.engines.start(ctx.engines.flagged(final), wait=False)  # both start at once
         return aux
 
     ep = ctx.engines.extraction(make)
     if ep.server is None:  # the recipe's servers, as they are
-        roles = sglang_roles(t.endpoints, aux_layers, n_layers, max_len, ep.api_key)
+        roles = sglang_roles(ro.urls, aux_layers, n_layers, max_len, ep.api_key)
         return roles['aux'], roles['final'], ep.api_key
     fin = ctx.engines.wait(later['final'])
     secs = max(ep.server.ready_s, fin.server.ready_s)
@@ -778,7 +781,7 @@ def extract_context_engine(
     if engine not in ('vllm', 'sglang'):
         raise ValueError(f"engine {engine!r}: use vllm or sglang")
     r, ph = ctx.recipe, ctx.phase_params('extract')
-    if not r.target.endpoints or r.target.served_here:  # the engine we launch loads it: refuse missing layers first
+    if not r.serving.extract.urls:  # the engine we launch loads it: refuse missing layers first
         check_layer_weights(r.target.model)
     req = extraction_request(r, modes, splits, log)
     if req is None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from .recipe import default_aux_layers, check_aux_layers, RecipeError
+from .recipe import Launch, default_aux_layers, check_aux_layers, RecipeError
 from .target import target_config, target_family
 from .draft import new_draft
 from .train import save_checkpoint, TrainConfig, latest_checkpoint, read_metrics
@@ -418,25 +418,30 @@ def target_flags(
 def launch_commands(
     draft_dir,  # the exported draft folder
     target_model,  # the target's path or hub id, as the engine should load it
-    tp: int = 1,  # tensor-parallel size (Kimi-K2.5: 8 per node)
+    tp: int = 1,  # tensor-parallel size where `launch` is not given (Kimi-K2.5: 8 per node)
     num_steps: int = 3,  # draft steps per round
     topk: int = 1,  # draft branching; 1 is chain drafting
     num_draft_tokens: int = None,  # tokens verified per round; default num_steps + 1 for topk 1, else 2 x num_steps
     thinking: bool = True,  # a thinking target (`target.thinking`): its reasoning parser too (`target_flags`)
+    launch: Launch = None,  # the serving settings (the recipe's `serving.draft.launch`); None: `Launch(tp=tp)`
+    served_name: str = None,  # --served-model-name (the recipe's `target.served_name`)
 ) -> dict:  # {'sglang': command, 'vllm': command}; no 'sglang' where `sglang_problem` says why
-    "The SGLang and vLLM commands that serve the target with this draft as its EAGLE-3 speculator"
-    from eagle3nb.engine import sglang_spec_flags
+    "The SGLang and vLLM commands that serve the target with this draft, from the engines' own command builders"
+    from eagle3nb.engine import sglang_command, vllm_command
 
-    own = target_flags(target_model, thinking)
+    launch = launch or Launch(tp=tp)
+    own = target_flags(target_model, thinking, trust_remote_code=False)  # the builders add --trust-remote-code
+    names = ['--served-model-name', served_name] if served_name else []
     cf = Path(draft_dir) / 'config.json'
     no_sglang = sglang_problem(json.loads(cf.read_text())) if cf.exists() else None
-    t = shlex.quote(str(target_model))
-    spec = json.dumps(dict(method='eagle3', model=str(draft_dir), num_speculative_tokens=num_steps))
-    sg = shlex.join(sglang_spec_flags(draft_dir, num_steps, topk, num_draft_tokens))  # our SGLang servers' words too
-    cmds = dict(
-        sglang=f"python -m sglang.launch_server --model-path {t} {sg} --tp {tp} {own['sglang']}",
-        vllm=f"vllm serve {t} --tensor-parallel-size {tp} {own['vllm']} --speculative-config {shlex.quote(spec)}",
-    )
+    kw = dict(host='0.0.0.0', python='python', launch=launch, trust_remote_code=True)
+    sg = sglang_command(
+        target_model, 30000, draft=draft_dir, k=num_steps, topk=topk, num_draft_tokens=num_draft_tokens,
+        extra=[*names, *shlex.split(own['sglang'])], **kw,
+    )  # fmt: skip
+    spec = dict(method='eagle3', model=str(draft_dir), num_speculative_tokens=num_steps)
+    vl = vllm_command(target_model, 8000, speculative=spec, extra=[*names, *shlex.split(own['vllm'])], **kw)
+    cmds = dict(sglang=shlex.join(sg), vllm=shlex.join(vl))
     return {k: v for k, v in cmds.items() if not (k == 'sglang' and no_sglang)}
 
 # %% ../nbs/70_export.ipynb #0cede0ce

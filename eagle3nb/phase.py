@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, get_args, get_origin
 from pydantic import BaseModel, ConfigDict
-from .recipe import Recipe, RecipeError, api_key, atomic_write, load_recipe, read_json
+from .recipe import Recipe, RecipeError, api_key, atomic_write, load_recipe, read_json, role
 from .target import text_config
 
 # %% ../nbs/06_phase.ipynb #73ba8a58
@@ -370,8 +370,8 @@ class EngineSession:
 
     @property
     def kind(self) -> str:
-        "The engine that serves drafts and baselines: `target.engine: sglang` makes it SGLang, else vLLM"
-        return 'sglang' if self.r.target.engine == 'sglang' else 'vllm'
+        "The engine that serves drafts and baselines: `serving.draft.engine`, else SGLang if the target runs on it"
+        return role(self.r, 'draft').engine
 
     @property
     def engine_flags(self) -> dict:
@@ -507,10 +507,10 @@ def target_server(self: EngineSession, engine: str = None):
         return self.flagged(LocalServer(self.target_dir, log_path=self._log('server.log')))  # `transformers serve` too
     c = text_config(self.target_dir)  # a VLM package: its language model's context
     max_len = min(int(c.get('max_position_embeddings') or 2048), 8192)
-    log = self._log('server.log')
+    kw = dict(log_path=self._log('server.log'), launch=role(self.r, 'generate').launch, context=max_len)
     if engine == 'sglang':
-        return SglangServer(self.target_dir, log_path=log, context_length=max_len, **self._py(), **self.engine_flags)
-    return VllmServer(self.target_dir, log_path=log, max_model_len=max_len, **self._py(), **self.engine_flags)
+        return SglangServer(self.target_dir, **kw, **self._py(), **self.engine_flags)
+    return VllmServer(self.target_dir, **kw, **self._py(), **self.engine_flags)
 
 
 @patch
@@ -554,12 +554,12 @@ def baseline(self: EngineSession, mla_disable: bool = False, python=None) -> End
         return own
     key = (self.kind, bool(mla_disable), str(python or self.python))
     if key not in self._baselines:
-        log = self._log('engine_baseline.log')
+        kw = dict(log_path=self._log('engine_baseline.log'), launch=role(self.r, 'draft').launch)
         if self.kind == 'sglang':
-            srv = SglangServer(self.target_dir, log_path=log, **self._py(python), **self.engine_flags)
+            srv = SglangServer(self.target_dir, **kw, **self._py(python), **self.engine_flags)
         else:
             flags = dict(mla_disable=mla_disable, **self._py(python), **self.engine_flags)
-            srv = VllmServer(self.target_dir, log_path=log, **flags)
+            srv = VllmServer(self.target_dir, **kw, **flags)
         self._baselines[key] = self.start(srv)
     return self._baselines[key]
 
@@ -578,7 +578,7 @@ def speculative(
     from eagle3nb.engine import SglangServer, VllmServer
 
     log = self._log('engine_speculative.log')
-    flags = {**self.engine_flags, **self._py(python), **flags}
+    flags = {'launch': role(self.r, 'draft').launch, **self.engine_flags, **self._py(python), **flags}
     if self.kind == 'sglang':  # its flags are `launch_sglang.sh`'s (`engine.sglang_spec_flags`)
         srv = SglangServer(self.target_dir, draft=Path(draft).resolve(), k=int(k), log_path=log, **flags)
         return self.start(srv, wait=wait)
@@ -589,10 +589,10 @@ def speculative(
 
 @patch
 def extraction(self: EngineSession, make: Callable) -> Endpoint:
-    "A server that writes hidden states: the recipe's own endpoints, else `make()` started here, with `engine_flags`"
-    t = self.r.target
-    if t.endpoints and not t.served_here:
-        return self.target()
+    "A server that returns hidden states: the recipe's (`serving.extract.urls`), else `make()` started here, flagged"
+    urls = self.r.serving.extract.urls
+    if urls:  # never the generation servers (`target.endpoints`): they return no hidden states
+        return self.point(urls[0], self.r.target.served_name)
     return self.start(self.flagged(make()))
 
 

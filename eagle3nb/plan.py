@@ -10,11 +10,11 @@ __all__ = ['PHASE_DEFAULTS', 'PlanParams', 'plan_params', 'non_default', 'phase_
            'plan_cli', 'plot_tokens', 'plot_disk']
 
 # %% ../nbs/90_plan.ipynb #5f89e838
-import datetime, json, math, os, re, shutil
+import datetime, json, math, os, re, shlex, shutil
 from pathlib import Path
-from pydantic import Field
+from pydantic import Field, ValidationError, field_validator
 from .phase import Params
-from .recipe import Recipe, RecipeError, load_recipe, default_aux_layers, check_aux_layers
+from .recipe import Launch, Recipe, RecipeError, load_recipe, default_aux_layers, check_aux_layers, role
 from .generate import GEN_DEFAULTS
 from .toy import ensure_toy
 from .target import text_config
@@ -23,13 +23,18 @@ from .target import text_config
 class PlanParams(Params):
     "The plan's stated assumptions; the document prints each with its value and its description"
 
-    gen_tok_s: float = Field(5_000.0, description='output tokens/s of the generation fleet, all endpoints together')
+    gen_tok_s: float = Field(5_000.0, description='output tokens/s of generation, as gen_tok_s_per says')
+    gen_tok_s_per: str = Field('fleet', description="gen_tok_s is one server's (server) or all endpoints' (fleet)")
     gen_gpus: int = Field(0, description='GPUs of the generation fleet; 0: endpoints x gpus_per_target')
     extract_tok_s: float = Field(10_000.0, description='target forward tokens/s per node (extract engine hf)')
     extract_nodes: int = Field(1, description='nodes extracting at once')
     extract_engine_tok_s: float = Field(15_000.0, description='tokens/s of one TP-8 vLLM node (extract --engine vllm)')
     extract_samples_s: float = Field(
-        0.0, description='extraction samples/s of all nodes, where it was measured that way; 0: from tokens/s'
+        0.0,
+        description='extraction samples/s, as extract_samples_s_per says, where measured that way; 0: from tokens/s',
+    )
+    extract_samples_s_per: str = Field(
+        'fleet', description="extract_samples_s is one server's (server) or all extract_nodes' (fleet)"
     )
     gpus_per_target: int = Field(1, description='GPUs one copy of the target spans (8: TP 8 or device_map auto)')
     train_tok_s: float = Field(20_000.0, description='draft training tokens/s per GPU')
@@ -65,6 +70,13 @@ class PlanParams(Params):
     version: int = Field(0, description='the first plan version to write (5 after your train_plan_v4.md); 0: next')
     run_id: str = Field('', description='papermill_runs/<run_id>/ in the commands; empty means <recipe>-v<N>')
 
+    @field_validator('gen_tok_s_per', 'extract_samples_s_per')
+    @classmethod
+    def _per(cls, v):
+        if v not in ('server', 'fleet'):
+            raise ValueError(f"{v!r}: say whether the rate is one server's (server) or the whole fleet's (fleet)")
+        return v
+
 # %% ../nbs/90_plan.ipynb #2ba496fb
 def plan_params(r: Recipe, **kw) -> PlanParams:
     "Defaults, then the recipe's `phases.plan`, then `kw` (None values ignored)"
@@ -76,7 +88,21 @@ def plan_params(r: Recipe, **kw) -> PlanParams:
     bad = sorted(k for k in kw if k not in known)
     if bad:
         raise TypeError(f"unknown plan parameter(s) {bad}; known: {', '.join(sorted(known))}")
-    return PlanParams(**{**given, **{k: v for k, v in kw.items() if v is not None}})
+    tp = r.serving.generate.launch.tp  # the servers' GPUs are declared once: in serving.generate.launch
+    if tp > 1 and given.get('gpus_per_target', tp) != tp:
+        raise RecipeError(
+            f"phases.plan.gpus_per_target {given['gpus_per_target']} but serving.generate.launch.tp {tp}: "
+            "say it once (serving.generate.launch.tp)"
+        )
+    if tp > 1:
+        given['gpus_per_target'] = tp
+    try:
+        return PlanParams(**{**given, **{k: v for k, v in kw.items() if v is not None}})
+    except ValidationError as e:  # in the recipe's words: the key and what is wrong with it
+        bad = '; '.join(
+            f"phases.plan.{'.'.join(map(str, x['loc']))}: {x['msg'].removeprefix('Value error, ')}" for x in e.errors()
+        )
+        raise RecipeError(bad) from None
 
 
 def non_default(**kw) -> dict:
@@ -92,7 +118,7 @@ PHASE_DEFAULTS = dict(
     vocab=dict(draft_vocab=32_000),
     extract=dict(modes='bf16', topk=64, engine='hf'),  # modes '' means bf16 for a recipe
     train=dict(max_steps=10_000, batch_size=1),  # 0 means these for a recipe
-    export=dict(tp=1, num_steps=3, topk=1),  # the export phase's: its launch commands
+    export=dict(tp=0, num_steps=3, topk=1),  # the export phase's: its launch commands (tp 0: serving.draft's)
     verify=dict(min_accept=0.0),  # the goal: verify fails below it
 )
 
@@ -428,9 +454,13 @@ def rates(r: Recipe, p: PlanParams) -> dict:  # phase -> dict(tok_s, source, mea
     "The generate and extract throughputs the plan uses: measured in the catalog where a run recorded them"
     from eagle3nb.catalog import measured_rate
 
-    ex = phase_params(r, 'extract')
+    ex, n = phase_params(r, 'extract'), max(1, len(r.target.endpoints))
+    if p.gen_tok_s_per == 'server':  # the arithmetic, in the words the plan prints
+        gen = (p.gen_tok_s * n, f'stated: phases.plan.gen_tok_s {fmt_n(p.gen_tok_s)} tok/s per server x {n} servers')
+    else:
+        gen = (p.gen_tok_s, f'stated: phases.plan.gen_tok_s {fmt_n(p.gen_tok_s)} tok/s for the fleet ({n} servers)')
     stated = dict(
-        generate=(p.gen_tok_s, 'stated: phases.plan.gen_tok_s (all endpoints)'),
+        generate=gen,
         extract=(p.extract_engine_tok_s, 'stated: phases.plan.extract_engine_tok_s (per node)')
         if ex['engine'] == 'vllm'
         else (p.extract_tok_s, 'stated: phases.plan.extract_tok_s (per node)'),
@@ -453,18 +483,20 @@ def _times(r: Recipe, p: PlanParams, hid: dict, rt: dict) -> tuple:  # extract, 
     n_modes, nodes = len(hid['planned']), p.extract_nodes
     toks, eng = hid['tokens'] * n_modes, phase_params(r, 'extract')['engine']
     per_sample = p.extract_samples_s and not rt['extract']['measured']
+    fleet_s = p.extract_samples_s * (nodes if p.extract_samples_s_per == 'server' else 1)  # samples/s, all nodes
+    said = (
+        f'{p.extract_samples_s:g} samples/s per server x {nodes} = {fleet_s:g}'
+        if p.extract_samples_s_per == 'server'
+        else f'{p.extract_samples_s:g} samples/s for the fleet ({nodes} nodes)'
+    )
     ext = dict(
         tokens=toks,
         modes=hid['planned'],
         nodes=nodes,
         engine=eng,
         tok_s=rt['extract']['tok_s'],
-        source=f'stated: phases.plan.extract_samples_s = {p.extract_samples_s:g}'
-        if per_sample
-        else rt['extract']['source'],
-        seconds=hid['samples'] * n_modes / p.extract_samples_s
-        if per_sample
-        else toks / (rt['extract']['tok_s'] * nodes),
+        source=f'stated: phases.plan.extract_samples_s {said}' if per_sample else rt['extract']['source'],
+        seconds=hid['samples'] * n_modes / fleet_s if per_sample else toks / (rt['extract']['tok_s'] * nodes),
         hf_seconds=toks / (p.extract_tok_s * nodes),
         engine_seconds=toks / (p.extract_engine_tok_s * nodes),
         gpus=nodes * p.gpus_per_node,
@@ -722,52 +754,70 @@ def _train_cmds(f: dict, run) -> list:
 
 
 def _engine_cmds(f: dict, modes: str) -> list:
-    "Extraction through vLLM at TP 8: the target served with extract_hidden_states and the connector, a request each"
-    from eagle3nb.engine_extract import extract_spec, extract_kv_config
+    "Extraction through the engine: the servers `serving.extract` describes (the engine's command builder), then the verb"
+    from eagle3nb.engine import settle, sglang_command, vllm_command
+    from eagle3nb.engine_extract import SGLANG_EXTRACT_FLAGS, extract_kv_config, extract_spec
 
-    t, p, e = f['target'], f['params'], f['extract']
-    spool = f"{f['data_root']}/hidden/.engine/spool"
-    ctx = max(
-        [v['ctx'] for v in f['generation']['partitions'].values()], default=0
-    )  # the longest sample a partition holds
+    t, p, e, ro = f['target'], f['params'], f['extract'], f['serving']['extract']
+    m, spool = t['model_dir'] or t['model'] or t['toy'], f"{f['data_root']}/hidden/.engine/spool"
+    ctx = max([v['ctx'] for v in f['generation']['partitions'].values()], default=0)  # the longest sample held
+    launch = settle(Launch(**ro['launch']), context=ctx + 8 if ctx else None)
+    kw = dict(host='0.0.0.0', python='python', launch=launch, trust_remote_code=t['trust_remote_code'])
+    head = (
+        f"# or through the engine, for a target no HF forward holds: ~{fmt_secs(e['engine_seconds'])} at "
+        f"{fmt_n(p['extract_engine_tok_s'])} tok/s per server (TP {launch.tp}); serving.extract.launch's settings"
+    )
+    R, urls = _q(f['recipe_path']), ro['urls'] or ['http://HOST:8000/v1']
+    if (ro['engine'] or 'vllm') == 'sglang':
+        aux = sglang_command(m, 30000, aux_layers=t['aux_layers'], extra=SGLANG_EXTRACT_FLAGS, **kw)
+        fin = sglang_command(m, 30001, extra=[*SGLANG_EXTRACT_FLAGS, '--enable-return-hidden-states'], **kw)
+        return [
+            head,
+            '# each node: an aux server and a final server (serving.extract.urls lists both)',
+            shlex.join(aux),
+            shlex.join(fin),
+            f"eagle3nb extract {R} --engine sglang --modes {modes} --concurrency 64",
+        ]
     spec, kv = extract_spec(list(t['aux_layers']) + [t['num_hidden_layers']]), extract_kv_config(spool, cpu=False)
+    cmd = vllm_command(m, 8000, speculative=spec, kv_transfer=kv, extra=['--no-enable-chunked-prefill'], **kw)
     return [
-        f"# or through the engine, for a target no HF forward holds (Kimi-K2.5: TP 8): "
-        f"~{fmt_secs(e['engine_seconds'])} at {fmt_n(p['extract_engine_tok_s'])} tok/s per node",
-        f"vllm serve {_q(t['model_dir'] or t['model'])} --tensor-parallel-size 8 --no-enable-chunked-prefill "
-        + ('--trust-remote-code ' if t['trust_remote_code'] else '')
-        + (f"--max-model-len {ctx + 8} " if ctx else '')
-        + f"--speculative-config {_q(json.dumps(spec))} --kv-transfer-config {_q(json.dumps(kv))}",
-        f"eagle3nb extract {_q(f['recipe_path'])} --engine vllm --modes {modes} --concurrency 64 --spool {_q(spool)}"
-        "   # target.endpoints: that server (http://HOST:8000/v1); the spool on a file system both see",
+        head,
+        shlex.join(cmd),
+        f"eagle3nb extract {R} --engine vllm --modes {modes} --concurrency 64 --spool {_q(spool)}"
+        f"   # serving.extract.urls: those servers ({', '.join(urls)}); the spool on a file system both see",
     ]
 
 # %% ../nbs/90_plan.ipynb #56343414
 def _serve_cmds(r: Recipe, f: dict) -> list:
-    "How each endpoint serves the target alone, when the recipe lists endpoints"
+    "How each generation server serves the target alone: `serving.generate`'s engine and settings, its builder"
+    from eagle3nb.engine import sglang_command, vllm_command
     from eagle3nb.export import target_flags
 
     if not r.target.endpoints:
         return []
-    t, tp = f['target'], f['params']['gpus_per_target']
-    m = t['model_dir'] or t['model'] or t['toy']
-    name = f' --served-model-name {_q(t["served_name"])}' if t['served_name'] else ''
-    fl = target_flags(m, t['thinking'])
-    return [
-        f'# each endpoint: one server of the target per {tp} GPUs, e.g. (SGLang, then vLLM)',
-        f"python -m sglang.launch_server --model-path {_q(m)} --tp {tp}{name} {fl['sglang']}",
-        f"vllm serve {_q(m)} --tensor-parallel-size {tp}{name} {fl['vllm']}",
-    ]
+    t, g = f['target'], f['serving']['generate']
+    m, launch = t['model_dir'] or t['model'] or t['toy'], Launch(**g['launch'])
+    names = ['--served-model-name', t['served_name']] if t['served_name'] else []
+    own = target_flags(m, t['thinking'], trust_remote_code=False)
+    kw = dict(host='0.0.0.0', python='python', launch=launch, trust_remote_code=t['trust_remote_code'])
+    eng = g['engine'] or 'vllm'
+    if eng == 'sglang':
+        cmd = sglang_command(m, 30000, extra=[*names, *shlex.split(own['sglang'])], **kw)
+    else:
+        cmd = vllm_command(m, 8000, extra=[*names, *shlex.split(own['vllm'])], **kw)
+    return [f'# each generation server ({len(r.target.endpoints)}, {eng}, TP {launch.tp}):', shlex.join(cmd)]
 
 
 def _launch_cmds(f: dict) -> list:
     "The commands that serve the target with the exported draft, as the export phase writes them"
     from eagle3nb.export import launch_commands
 
-    t, x = f['target'], f['phases']['export']
+    t, x, d = f['target'], f['phases']['export'], f['serving']['draft']
     m = t['model_dir'] or t['model'] or t['toy']
-    kw = dict(tp=x['tp'], num_steps=x['num_steps'], topk=x['topk'], thinking=t['thinking'])
-    cmds = launch_commands(f"{f['data_root']}/export", m, **kw)
+    launch = Launch(**d['launch'])
+    launch = launch.model_copy(update=dict(tp=x['tp'])) if x.get('tp') else launch
+    kw = dict(num_steps=x['num_steps'], topk=x['topk'], thinking=t['thinking'], served_name=t['served_name'])
+    cmds = launch_commands(f"{f['data_root']}/export", m, launch=launch, **kw)
     return ['# which serve the target with the draft (SGLang, then vLLM):', *cmds.values()]
 
 # %% ../nbs/90_plan.ipynb #0ac247ac
@@ -782,10 +832,11 @@ def commands(r: Recipe, f: dict) -> list:  # (phase, what it does, command lines
         if r.target.api_key_env
         else []
     )
-    base = r.target.endpoints[0] if r.target.endpoints else '$BASE_URL'
-    sb = r.phases.get('serve_bench') or {}
+    d, sb = role(r, 'draft'), r.phases.get('serve_bench') or {}
+    base = d.baseline or sb.get('baseline') or (r.target.endpoints[0] if r.target.endpoints else '$BASE_URL')
     trc = ' --trust-remote-code' if r.target.trust_remote_code else ''  # the recipe's, for every loader of the target
-    spec, conc = sb.get('speculative') or '$SPEC_URL', sb.get('concurrencies') or '1,8'
+    spec, conc = d.speculative or sb.get('speculative') or '$SPEC_URL', sb.get('concurrencies') or '1,8'
+    at = f' --engine {d.engine}' + (f' --baseline {base} --speculative {spec}' if d.speculative else '')
     return [
         (
             'check',
@@ -852,8 +903,13 @@ def commands(r: Recipe, f: dict) -> list:  # (phase, what it does, command lines
             'the proof in the engine: vLLM serves the target with the draft, greedy output unchanged, '
             'acceptance counted',
             [
-                f'eagle3nb verify {D}/export --target {M} --recipe {R}{trc} --json '
-                f'papermill_runs/{RUN}/verify.json   # EAGLE3NB_VLLM: your vLLM venv',
+                f'eagle3nb verify {D}/export --target {M} --recipe {R}{trc}{at} --json '
+                f'papermill_runs/{RUN}/verify.json'
+                + (
+                    '   # serving.draft: your servers, nothing started'
+                    if d.speculative
+                    else '   # EAGLE3NB_VLLM / _SGLANG: your venv'
+                ),
                 f'# or: {run("verify")}   # the offline estimate is skipped for a target too big to load here',
             ],
         ),
@@ -997,6 +1053,7 @@ def plan_facts(
             **dims,
         ),
         params=p.model_dump(),
+        serving={k: role(r, k).model_dump() for k in ('generate', 'extract', 'draft')},
         phases=dict(
             catalog=cat,
             generate=gen,

@@ -5,11 +5,15 @@ from pathlib import Path
 import pytest
 import eagle3nb.doctor, eagle3nb.engine, eagle3nb.engine_args
 from eagle3nb.doctor import doctor, toy_export
-from eagle3nb.engine import sglang_command, vllm_command
+from eagle3nb.engine import settle, sglang_command, vllm_command
+from eagle3nb.recipe import Launch
 from eagle3nb.engine_args import launch_of, parse_launches, parse_wanted
 from eagle3nb.engine_extract import extract_kv_config, extract_spec
 from eagle3nb.export import export_draft, launch_commands, random_checkpoint, write_launch_scripts
+from eagle3nb.plan import plan_facts
 from eagle3nb.toy import ensure_toy
+
+ROOT = Path(__file__).resolve().parent.parent
 
 KIMI = 'moonshotai/Kimi-K2.5'  # the Kimi recipe's target, as the cluster's engines load it (a hub id: parsing only)
 
@@ -63,7 +67,7 @@ def started_lines(demo) -> dict:
     return {
         'vllm_command speculative': vllm_command(target, 8000, speculative=spec, **kw),
         'vllm_command kimi': vllm_command(
-            KIMI, 8000, speculative=spec, trust_remote_code=True, language_model_only=True, kv_cache_bytes=None, **kw
+            KIMI, 8000, speculative=spec, trust_remote_code=True, language_model_only=True, **kw
         ),
         'vllm_command kv_transfer cpu': vllm_command(
             target,
@@ -80,8 +84,21 @@ def started_lines(demo) -> dict:
             kv_transfer=extract_kv_config('/tmp/spool', cpu=False),
             **kw,
         ),
+        'vllm_command cpu build': vllm_command(target, 8000, speculative=spec, launch=settle(cpu=True), **kw),
+        'vllm_command kimi tp8 settings': vllm_command(
+            KIMI,
+            8000,
+            speculative=spec,
+            launch=Launch(tp=8, context=32768, memory=0.85, extra=['--max-num-seqs', '64']),
+            **kw,
+        ),
         'sglang_command draft': sglang_command(target, 30000, draft=draft, **kw),
-        'sglang_command aux_layers': sglang_command(target, 30000, aux_layers=[2, 4, 5], context_length=2048, **kw),
+        'sglang_command kimi tp8 settings': sglang_command(
+            KIMI, 30000, draft=draft, launch=Launch(tp=8, context=32768, memory=0.85, eager=True), **kw
+        ),
+        'sglang_command aux_layers': sglang_command(
+            target, 30000, aux_layers=[2, 4, 5], launch=Launch(context=2048), **kw
+        ),
         'sglang_command cpu': sglang_command(target, 30000, draft=draft, cpu=True, trust_remote_code=True, **kw),
         'sglang_command cpu aux_layers': sglang_command(target, 30000, aux_layers=[2, 4, 5], cpu=True, **kw),
     }
@@ -104,6 +121,28 @@ def test_every_line_we_build_parses(demo, kimi_draft, tmp_path):
     assert {k: r['error'] for k, r in rs.items() if r['ok'] is not True} == {}
     assert {k for k, r in rs.items() if r['engine'] == 'sglang'} == {k for k in lines if 'sglang' in k}
     assert rs['script launch_vllm.sh']['args'] == launch_of(printed['kimi-tp8 vllm'])['args']  # the quoting survives
+
+
+def test_the_kimi_plan_prints_lines_its_engines_accept():
+    """Every engine line the Kimi recipe's plan prints (its generation servers, its extraction servers, the draft's
+    launch lines) comes from the recipe's `serving` settings and passes that engine's own parser (nothing started)"""
+    need('sglang', 'vllm')
+    f = plan_facts(ROOT / 'recipes' / 'kimi-k2.5-agentic-100k.yaml', version=5)
+    lines = {
+        f'{ph} {i}': ln
+        for ph, _, ls in f['commands']
+        for i, ln in enumerate(ls)
+        if not ln.startswith('#') and ('sglang.launch_server' in ln or 'openai.api_server' in ln)
+    }
+    assert [k.split()[0] for k in lines] == ['target_check', 'extract', 'export', 'export'], list(lines)
+    for (k, ln), r in zip(lines.items(), parse_launches(list(lines.values()))):
+        print(f"{r['engine']:6} {r['ok']!s:5} {k}: {ln}")  # the verdicts, for the closing note (pytest -s)
+        assert r['ok'] is True, (k, r['error'])
+        w = shlex.split(ln)
+        assert w[w.index('--tp' if r['engine'] == 'sglang' else '--tensor-parallel-size') + 1] == '8', ln
+        assert '--trust-remote-code' in w and ('--mem-fraction-static' in w or '--gpu-memory-utilization' in w), ln
+    gen = [ln for k, ln in lines.items() if k.startswith('target_check')]
+    assert '--context-length 32768' in gen[0]  # serving.generate.launch: the long partition's context
 
 
 def test_refused_in_the_engines_own_words(demo):

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest, torch
 from datasets import Dataset, load_from_disk
 
-from eagle3nb.engine import engine_available, sglang_available
+from eagle3nb.engine import engine_available, prom_samples, server_root, sglang_available
 from eagle3nb.engine_extract import extract_server, extract_recipe_engine, spool_name
 from eagle3nb.extract import extract, load_target, target_id
 from eagle3nb.recipe import parse_recipe, resolve, save_recipe
 from eagle3nb.render import load_tokenizer, template_sha256
+from eagle3nb.server import http_client
 from eagle3nb.store import (
     HiddenStates,
     NF4_GROUP,
@@ -212,6 +213,13 @@ def test_qwen3_engine_store_equals_hf_store(qwen3):
     assert not any(qwen3['spool'].glob('s-*.safetensors'))  # every spool file dropped once both stores had landed it
 
 
+def engine_busy(base_url: str) -> float:
+    "Requests the vLLM server at `base_url` is running or holds waiting (its own gauges)"
+    with http_client(30) as c:
+        text = c.get(server_root(base_url) + '/metrics').text
+    return sum(v for n, _, v in prom_samples(text) if n in ('vllm:num_requests_running', 'vllm:num_requests_waiting'))
+
+
 _CHILD = """
 import sys
 from eagle3nb.engine_extract import extract_recipe_engine
@@ -238,6 +246,8 @@ def test_kill9_mid_run_then_resume_nothing_lost_or_doubled(qwen3, modes):
     assert p.poll() is None, f'the run ended before the kill: {p.stderr.read().decode()[-2000:]}'
     p.send_signal(signal.SIGKILL)
     p.wait()
+    while engine_busy(qwen3['srv'].base_url):
+        time.sleep(0.05)  # the requests the client left in flight still finish, each writing its spool file: count them
     before = {m: {x['sample_id'] for x in read_index(d)} for m, d in stores.items()}
     left = list(qwen3['spool'].glob('s-*.safetensors'))
     print(f'killed with {[len(b) for b in before.values()]} of 240 samples stored, {len(left)} spool files left')
@@ -341,6 +351,8 @@ def test_kill9_of_extract_takes_the_engine_it_launched_with_it(tmp_path):
     assert any('vllm' in ' '.join(k.cmdline()) for k in kids), [k.cmdline()[:4] for k in kids]
     p.send_signal(signal.SIGKILL)
     p.wait()
+    while engine_busy(qwen3['srv'].base_url):
+        time.sleep(0.05)  # the requests the client left in flight still finish, each writing its spool file: count them
     t0 = time.monotonic()
     _, alive = psutil.wait_procs(kids, timeout=180)  # a hang guard: the guard SIGKILLs what outlives its grace
     print(f'{len(kids)} processes of the killed extraction gone {time.monotonic() - t0:.1f} s after the kill')
@@ -455,7 +467,14 @@ def test_sglang_qwen3_stores_equal_hf(sg_qwen3):
     assert (again[0]['new_samples'], again[0]['skipped'], again[0]['requests']) == (0, 24, 0)
 
 
-_SG_CHILD = """
+_SGdef engine_busy(base_url: str) -> float:
+    "Requests the vLLM server at `base_url` is running or holds waiting (its own gauges)"
+    with http_client(30) as c:
+        text = c.get(server_root(base_url) + '/metrics').text
+    return sum(v for n, _, v in prom_samples(text) if n in ('vllm:num_requests_running', 'vllm:num_requests_waiting'))
+
+
+_CHILD = """
 import sys
 from eagle3nb.engine_extract import extract_recipe_engine
 from eagle3nb.recipe import load_recipe
@@ -480,6 +499,8 @@ def test_sglang_kill9_mid_run_then_resume_nothing_lost_or_doubled(sg_qwen3):
     assert p.poll() is None, f'the run ended before the kill: {p.stderr.read().decode()[-2000:]}'
     p.send_signal(signal.SIGKILL)
     p.wait()
+    while engine_busy(qwen3['srv'].base_url):
+        time.sleep(0.05)  # the requests the client left in flight still finish, each writing its spool file: count them
     before = {m: {x['sample_id'] for x in read_index(d)} for m, d in stores.items()}
     print(f'killed with {[len(b) for b in before.values()]} of {n} samples stored')
     assert all(0 < len(b) < n for b in before.values())

@@ -163,7 +163,7 @@ def test_launch_commands_parse_back(tmp_path):
         flag('--speculative-num-draft-tokens'),
     ) == ('5', '4', '10')
     v = shlex.split(c['vllm'])
-    assert v[:3] == ['vllm', 'serve', '/models/Kimi-K2.5']
+    assert v[:5] == ['python', '-m', 'vllm.entrypoints.openai.api_server', '--model', '/models/Kimi-K2.5']
     assert json.loads(v[v.index('--speculative-config') + 1]) == dict(
         method='eagle3', model=str(tmp_path / 'my draft'), num_speculative_tokens=5
     )

@@ -9,7 +9,7 @@ import yaml
 from eagle3nb.catalog import query
 from eagle3nb.merge import smoke_recipe
 from eagle3nb.plan import plan_facts, plan_markdown, write_plan, plan_cli, next_plan_path
-from eagle3nb.recipe import load_recipe, save_recipe
+from eagle3nb.recipe import RecipeError, load_recipe, save_recipe
 from eagle3nb.runner import check_phase_params, phase_notebooks, phase_key, execute_phase
 from eagle3nb.store import bytes_per_token
 
@@ -192,8 +192,10 @@ def test_kimi_plan_without_data(tmp_path, monkeypatch, capsys):
     assert '\n## Time and GPU-hours\n' in md
     cmds = '\n'.join(l for _, _, ls in f['commands'] for l in ls)
     assert 'eagle3nb download RECIPE' in cmds
-    ex = [l for l in cmds.splitlines() if l.startswith('vllm serve') and 'extract_hidden_states' in l]
+    vllm = 'python -m vllm.entrypoints.openai.api_server'  # every engine line from the engines' command builders
+    ex = [l for l in cmds.splitlines() if l.startswith(vllm) and 'extract_hidden_states' in l]
     assert len(ex) == 1 and '--tensor-parallel-size 8' in ex[0] and '--trust-remote-code' in ex[0]
+    assert '--gpu-memory-utilization 0.85' in ex[0]  # serving.extract.launch
     assert 'eagle3nb extract RECIPE --engine vllm --modes nf4' in cmds
     # the goal as a gate, with serve-bench's break-even at today's numbers
     q = f['goal']
@@ -230,9 +232,10 @@ def test_kimi_plan_without_data(tmp_path, monkeypatch, capsys):
     vkimi = '--trust-remote-code --enable-auto-tool-choice --tool-call-parser kimi_k2 --reasoning-parser kimi_k2'
     lines = cmds.splitlines()
     sg = [l for l in lines if l.startswith('python -m sglang.launch_server')]
-    vl = [l for l in lines if l.startswith('vllm serve') and 'extract_hidden_states' not in l]
-    assert len(sg) == 2 and all(l.endswith(kimi) or f'{kimi} ' in l for l in sg), sg  # the endpoints, the draft's
-    assert len(vl) == 2 and all(vkimi in l for l in vl), vl
+    vl = [l for l in lines if l.startswith(vllm) and 'extract_hidden_states' not in l]
+    sgk, vlk = '--tool-call-parser kimi_k2 --reasoning-parser kimi_k2', vkimi.split(' ', 1)[1]
+    assert len(sg) == 2 and all(sgk in l and '--trust-remote-code' in l for l in sg), sg  # generation, the draft's
+    assert len(vl) == 1 and all(vlk in l and '--trust-remote-code' in l for l in vl), vl  # the draft's
     assert any('--speculative-algorithm EAGLE3' in l for l in sg) and any('"method": "eagle3"' in l for l in vl)
     assert '--served-model-name kimi-k2.5' in sg[0] and '--tp 8' in sg[0]
     assert all(
@@ -240,7 +243,39 @@ def test_kimi_plan_without_data(tmp_path, monkeypatch, capsys):
         for l in lines
         if l.startswith(('eagle3nb doctor', 'eagle3nb verify', 'eagle3nb export'))
     )
-    assert '"tp": 8' in md and 'phases.export' in md  # the launch's parameters, among the phases' in the plan
+    assert 'phases.export' in md  # the launch's parameters, among the phases' in the plan
+    # the draft is measured on the user's servers (serving.draft): verify says so, serve-bench uses them
+    vf = next(l for l in lines if l.startswith('eagle3nb verify'))
+    assert '--engine sglang --baseline http://sglang-0:30000/v1 --speculative http://sglang-eagle3:30000/v1' in vf
+    assert (
+        'eagle3nb serve-bench --baseline http://sglang-0:30000/v1 --speculative http://sglang-eagle3:30000/v1' in cmds
+    )
+
+
+def test_rates_per_server_or_fleet():
+    "A stated rate is one server's or the fleet's, as the recipe says: the hours follow, and the plan shows the sum"
+    r = load_recipe(KIMI)
+    fleet = plan_facts(r, version=5)  # the recipe: the user's 2,370 tok/s and 1.48 samples/s were the fleet's
+    r.phases['plan'].update(gen_tok_s_per='server', extract_samples_s_per='server')
+    per = plan_facts(r, version=5)
+    g, e = fleet['generation'], fleet['extract']
+    assert (
+        abs(per['generation']['seconds'] - g['seconds'] / 4) < 1
+        and abs(per['extract']['seconds'] - e['seconds'] / 4) < 1
+    )
+    assert (
+        'tok/s for the fleet (4 servers)' in g['source']
+        and '2,370 tok/s per server x 4 servers' in per['generation']['source']
+    )
+    assert '1.48 samples/s per server x 4 = 5.92' in per['extract']['source']
+    gh = lambda f: {x['phase']: x['gpu_hours'] for x in f['gpu_hours']}
+    assert abs(gh(per)['generate'] - gh(fleet)['generate'] / 4) < 1e-6  # 32 GPUs for a quarter of the hours
+    r.phases['plan']['gen_tok_s_per'] = 'node'
+    with pytest.raises(RecipeError, match="one server's"):
+        plan_facts(r, version=5)
+    r.phases['plan'].update(gen_tok_s_per='fleet', gpus_per_target=4)  # the servers' GPUs said twice, differently
+    with pytest.raises(RecipeError, match='say it once'):
+        plan_facts(r, version=5)
 
 
 def test_plan_verb_on_the_kimi_recipe(tmp_path):
@@ -268,7 +303,7 @@ def test_launch_lines_follow_the_target(smoke):
     lines = [l for _, _, ls in f['commands'] for l in ls]
     assert not smoke.target.trust_remote_code
     assert not any('--trust-remote-code' in l for l in lines if l.startswith('eagle3nb'))
-    launch = [l for l in lines if l.startswith(('python -m sglang.launch_server', 'vllm serve'))]
+    launch = [l for l in lines if l.startswith(('python -m sglang.launch_server', 'python -m vllm.entrypoints'))]
     ex = [l for l in launch if 'extract_hidden_states' in l]  # the extraction server: the recipe's value
     launch = [l for l in launch if l not in ex]
     assert len(ex) == 1 and '--trust-remote-code' not in ex[0]

@@ -9,6 +9,7 @@ __all__ = ['CONFIG_KEYS', 'Params', 'Record', 'run', 'tensors', 'config_keys', '
 from pathlib import Path
 from pydantic import Field
 from ..phase import Params as _Params, Record as _Record, RunContext, phase
+from ..recipe import role
 
 # %% ../../nbs/96_phases/70_export.ipynb #30c0fa39
 class Params(_Params):
@@ -18,7 +19,7 @@ class Params(_Params):
         'checkpoints/step_N folder',
     )
     out: str = Field('', description='the draft folder to write; empty means <data_root>/export')
-    tp: int = Field(1, description='tensor-parallel size in the launch commands (Kimi-K2.5: 8)')
+    tp: int = Field(0, description="tensor-parallel size in the launch commands; 0 means serving.draft.launch's")
     num_steps: int = Field(3, description='draft steps per round in the launch commands')
     topk: int = Field(1, description='draft branching in the launch commands (1: chain)')
 
@@ -80,7 +81,11 @@ def run(ctx: RunContext, p: Params) -> Record:
     cfg = export_draft(ck, out, ctx.target, choice=choice, **kw)
     if problems := check_export(out):
         raise ValueError(f'{out}: the export fails its checks: {problems}')
-    kw = dict(tp=p.tp, num_steps=p.num_steps, topk=p.topk, thinking=ctx.recipe.target.thinking)
+    launch = role(ctx.recipe, 'draft').launch  # the serving settings, declared once in the recipe
+    launch = launch.model_copy(update=dict(tp=p.tp)) if p.tp else launch
+    kw = dict(launch=launch, num_steps=p.num_steps, topk=p.topk, thinking=ctx.recipe.target.thinking)
+    name = ctx.recipe.target.served_name
+    kw.update(served_name=name if name not in (None, str(ctx.target), ctx.recipe.target.model) else None)
     cmds = launch_commands(out.resolve(), ctx.target, **kw)  # the target's own flags too: remote code, parsers
     write_launch_scripts(ctx.run_dir, cmds)
     choice = {**choice, 'checkpoint': str(ck)}

@@ -89,7 +89,12 @@ def _at(a) -> str:
 # %% ../../nbs/96_phases/80_serve_bench.ipynb #747760b2
 def endpoints(ctx: RunContext, p: Params, export: Path) -> tuple:  # baseline, speculative (Endpoints), engine
     "The URLs the parameters name; else vLLM alone and with the export; else the target's server twice"
-    es = ctx.engines
+    from eagle3nb.recipe import role
+
+    es, d = ctx.engines, role(ctx.recipe, 'draft')
+    p = p.model_copy(
+        update=dict(baseline=p.baseline or d.baseline or '', speculative=p.speculative or d.speculative or '')
+    )
     if p.baseline or p.speculative:
         base = es.point(p.baseline, ctx.recipe.target.served_name) if p.baseline else es.target()
         spec = es.point(p.speculative, base.model) if p.speculative else es.target()

@@ -144,8 +144,13 @@ def inputs(
 )
 def run(ctx: RunContext, p: Params) -> Record:
     "Serve the export in vLLM beside the target alone; a failing check fails the phase, its record kept"
+    from eagle3nb.recipe import role
     from eagle3nb.verify import verify
 
+    d = role(ctx.recipe, 'draft')  # the recipe's servers, where the parameters name none
+    p = p.model_copy(
+        update=dict(baseline=p.baseline or d.baseline or '', speculative=p.speculative or d.speculative or '')
+    )
     urls = dict(baseline_url=p.baseline or None, speculative_url=p.speculative or None)
     if not p.speculative and not ctx.engines.available(p.engine or None):
         return no_engine().model_copy(update=dict(min_accept=p.min_accept))  # the goal stated, not checked
