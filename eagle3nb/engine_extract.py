@@ -8,7 +8,7 @@ __all__ = ['CONNECTOR_MODULE', 'CONNECTOR_CLASS', 'CONNECTOR_SRC', 'SGLANG_EXTRA
            'spool_name', 'read_spool', 'drop_spool', 'check_tokens', 'unpack', 'EngineClient', 'EngineSource',
            'extract_engine_modes', 'extract_engine', 'check_sglang_aux', 'sglang_extract_servers', 'prompt_states',
            'SglangClient', 'extraction_endpoint', 'sglang_role', 'sglang_roles', 'sglang_endpoints',
-           'extract_context_engine', 'extract_recipe_engine']
+           'extract_context_engine', 'extract_recipe_engine', 'final_state_check', 'extraction_check']
 
 # %% ../nbs/52_engine_extract.ipynb #dde42a18
 import fcntl, hashlib, os, threading
@@ -27,7 +27,7 @@ from eagle3nb.extract import (
 )
 from .recipe import Recipe, default_aux_layers, role
 from .target import target_config, text_config
-from .server import hold_lock, owned_by, reap_leftovers
+from .server import hold_lock, list_models, owned_by, reap_leftovers
 from .recipe import retrying
 
 # %% ../nbs/52_engine_extract.ipynb #25b9f0dc
@@ -811,3 +811,80 @@ def extract_recipe_engine(
     r = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     with RunContext.open(r, Path(r.data_root) / 'hidden' / '.engine') as ctx:
         return extract_context_engine(ctx, **kw)
+
+# %% ../nbs/52_engine_extract.ipynb #d2620c51
+def _final_and_next(client, model_dir, sample_id: str, ids: list) -> tuple:  # final (T, H) float32, next token id
+    "One probe: the server's final state of `ids` and its own greedy next token"
+    if isinstance(client, SglangClient):
+        url = client.urls['final'][client.turn['final'] % len(client.urls['final'])] + '/generate'
+        js = _send(client, url, client.body(ids), sample_id).json()
+        return prompt_states(sample_id, url, len(ids), js.get('meta_info') or {}, client.width['final']), js[
+            'output_ids'
+        ][0]
+    url = client.urls[client.n % len(client.urls)] + '/completions'
+    js = _send(client, url, {**client.body(sample_id, ids), 'return_token_ids': True}, sample_id).json()
+    path = (js.get('kv_transfer_params') or {}).get('hidden_states_path')
+    if not path:
+        raise EngineExtractError(
+            f"{url} returns no hidden states (no kv_transfer_params.hidden_states_path): start it with the "
+            "extract_hidden_states speculative config and the hidden-states connector (`eagle3nb plan` prints the line)"
+        )
+    try:
+        got = read_spool(path)
+    finally:
+        drop_spool(path)
+    return rms_norm(got['hidden_states'][:, -1], *final_norm(model_dir)), int(js['choices'][0]['token_ids'][0])
+
+
+def final_state_check(
+    client,  # an `EngineClient` (vLLM) or a `SglangClient`: the extraction servers
+    model_dir,  # the target's folder: its final norm and lm_head
+    probes: list,  # token-id prompts
+    min_share: float = 0.75,  # the share of probes that must agree (a float32 near-tie may flip one)
+) -> dict:  # ok, agree, n, detail
+    "Does the final state the server returns give, through the target's norm and `lm_head`, its own greedy token?"
+    head = read_weight(model_dir, _HEAD_KEYS + _EMBED_KEYS).float()  # (V, H)
+    agree = 0
+    for i, ids in enumerate(probes):
+        final, theirs = _final_and_next(client, model_dir, f'probe-{i}', [int(t) for t in ids])
+        agree += int((head @ final[-1]).argmax()) == theirs
+    ok = agree >= min_share * len(probes)
+    how = f"{agree}/{len(probes)} probes: the final state through the target's norm and lm_head gives the server's own token"
+    bad = (
+        f"{agree}/{len(probes)} probes agree: the final state it returns is not the target's last layer (vLLM before "
+        "the fix for #46973 drops DeepSeek/Kimi's): a teacher built from it trains a draft nobody accepts. Upgrade "
+        "the engine, or extract with phases.extract.engine: hf"
+    )
+    return dict(ok=ok, agree=agree, n=len(probes), detail=how if ok else bad)
+
+# %% ../nbs/52_engine_extract.ipynb #074fdd9d
+def extraction_check(
+    r: Recipe,  # the recipe: `serving.extract` (engine, urls), the target, `phases.extract.spool`
+    probes: list,  # token-id prompts
+    api_key: str = None,
+) -> list:  # (check, status, detail) rows; none when the recipe lists no extraction servers
+    "target_check's rows for the extraction servers the user runs: each returns hidden states, and the right ones"
+    ro, tc = role(r, 'extract'), text_config(r.target.model)
+    if not ro.urls:
+        return []
+    N, H = int(tc['num_hidden_layers']), int(tc['hidden_size'])
+    aux = r.target.aux_layers or default_aux_layers(N)
+    try:
+        if ro.engine == 'sglang':  # the aux servers' layer ids are checked here, the final servers' states probed
+            sg = sglang_roles(ro.urls, aux, N, max(map(len, probes)), api_key)
+            clients = {u: SglangClient(sg['aux'], [u], (len(aux) * H, H), api_key=api_key) for u in sg['final']}
+        else:
+            spool = (r.phases.get('extract') or {}).get('spool')
+            if not spool:
+                raise EngineExtractError(
+                    "serving.extract.urls is set: give phases.extract.spool, the folder their connector writes"
+                )
+            name = r.target.served_name or list_models(ro.urls[0], api_key=api_key)[0]
+            clients = {u: EngineClient([u], name, spool, api_key=api_key, retries=0) for u in ro.urls}
+        rows = []
+        for u, client in clients.items():
+            c = final_state_check(client, r.target.model, probes)
+            rows.append((f'extract_states {u}', 'ok' if c['ok'] else 'FAIL', c['detail']))
+        return rows
+    except (EngineExtractError, httpx.HTTPError, OSError) as e:
+        return [('extract_servers', 'FAIL', f"{e} (`eagle3nb plan RECIPE` prints the commands that start them)")]

@@ -386,6 +386,10 @@ JSON_KEYS = (
     'engine',
     'draft_check',
     'other_requests',
+    'traffic_note',
+    'started',  # False: measured on the user's servers (baseline, speculative), nothing started
+    'baseline',
+    'speculative',
 )
 
 

@@ -2,7 +2,7 @@
 
 Both toys: the engine-path store equals the HF-path store sample by sample (within the tolerance measured below), with
 the same metadata and catalog index; and a run killed with SIGKILL mid-way resumes with nothing lost or doubled.
-Two engine servers in all, one at a time: qwen3-tiny shared by the module (a recipe with `target.endpoints`), kimi-tiny
+Two engine servers in all, one at a time: qwen3-tiny shared by the module (a recipe's `serving.extract.urls`), kimi-tiny
 (MLA) launched by `extract_recipe_engine` itself.
 """
 
@@ -62,12 +62,14 @@ def corpus(root: Path, vocab: int, n: int, lo: int, hi: int, seed: int = 0):
     return root
 
 
-def recipe_for(tmp: Path, toy: str, **target):
+def recipe_for(tmp: Path, toy: str, extract: list = (), **target):
+    "A recipe of the toy; `extract`: the extraction servers the user runs (serving.extract.urls)"
     r = resolve(
         parse_recipe(
             dict(
                 name='e',
                 target=dict(toy=toy, **target),
+                serving=dict(extract=dict(urls=list(extract))),
                 data_root=str(tmp / 'data'),
                 catalog=str(tmp / 'catalog.duckdb'),
             )
@@ -147,7 +149,7 @@ def test_qwen3_engine_store_equals_hf_store(qwen3):
     nf4 from the same requests is the engine's bf16 store within the NF4 bound, its top-k compact's.
     All modes come from one request per sample, also when only one store lacks a sample"""
     tmp, ts = qwen3['tmp'] / 'eq', qwen3['ts']
-    r = recipe_for(tmp, 'qwen3-tiny', endpoints=[qwen3['srv'].base_url])
+    r = recipe_for(tmp, 'qwen3-tiny', extract=[qwen3['srv'].base_url])
     r.phases = dict(extract=dict(spool=str(qwen3['spool']), concurrency=4))
     corpus(Path(r.data_root), ts['vocab_size'], 24, 5, 120)
     t0 = time.perf_counter()
@@ -233,7 +235,7 @@ def test_kill9_mid_run_then_resume_nothing_lost_or_doubled(qwen3, modes):
     """SIGKILL the extraction while shards land; the rerun stores every sample exactly once in every store, and drops or
     uses the spool files left; with two modes, a sample is asked again only where some store lacks it"""
     tmp, ts, ml = qwen3['tmp'] / f"kill-{modes.replace(',', '-')}", qwen3['ts'], modes.split(',')
-    r = recipe_for(tmp, 'qwen3-tiny', endpoints=[qwen3['srv'].base_url])
+    r = recipe_for(tmp, 'qwen3-tiny', extract=[qwen3['srv'].base_url])
     r.phases = dict(extract=dict(spool=str(qwen3['spool'])))
     corpus(Path(r.data_root), ts['vocab_size'], 240, 16, 64, seed=1)
     path = save_recipe(r, tmp / 'recipe.yaml')
@@ -266,6 +268,31 @@ def test_kill9_mid_run_then_resume_nothing_lost_or_doubled(qwen3, modes):
     assert not any(qwen3['spool'].glob('s-*.safetensors'))
 
 
+def test_final_state_probe_on_the_users_extraction_server(qwen3, monkeypatch):
+    """target_check's probe of an extraction server the user runs: its final state through the target's norm and
+    lm_head gives the server's own greedy tokens; a file holding another layer there (vLLM #46973) fails, named"""
+    import eagle3nb.engine_extract as ee
+
+    r = recipe_for(qwen3['tmp'] / 'probe', 'qwen3-tiny', extract=[qwen3['srv'].base_url])
+    r.phases = dict(extract=dict(spool=str(qwen3['spool'])))
+    g = random.Random(3)
+    probes = [[g.randrange(10, qwen3['ts']['vocab_size'] - 10) for _ in range(n)] for n in (5, 9, 17, 33)]
+    rows = ee.extraction_check(r, probes)
+    assert [x[1] for x in rows] == ['ok'] and rows[0][2].startswith('4/4 probes'), rows
+    real = ee.read_spool
+
+    def dropped(path):  # the bug, played: layer 2's state where the last layer's belongs
+        got = real(path)
+        got['hidden_states'] = torch.cat([got['hidden_states'][:, :-1], got['hidden_states'][:, :1]], 1)
+        return got
+
+    monkeypatch.setattr(ee, 'read_spool', dropped)
+    rows = ee.extraction_check(r, probes)
+    print(f'final-state probe: the right state 4/4 agree; another layer {rows[0][2][:3]}')
+    assert rows[0][1] == 'FAIL' and '#46973' in rows[0][2], rows
+    assert not any((qwen3['spool'] / spool_name(f'probe-{i}')).exists() for i in range(4))  # the probes' files dropped
+
+
 def test_kimi_mla_cli_local_launch_equals_hf(tmp_path, capsys):
     """kimi-tiny (MLA, the CPU MLA backend) through `eagle3nb extract RECIPE` with `phases.extract.engine: vllm`, which
     launches its own server. The recipe is as a run writes it when its runner serves the target: `target.endpoints` is
@@ -282,10 +309,7 @@ def test_kimi_mla_cli_local_launch_equals_hf(tmp_path, capsys):
     store = Path(r.data_root) / 'hidden' / 'bf16' / 'train'
     out = capsys.readouterr().out
     assert len(read_index(store)) == 16 and 'vllm: bf16/train: 16 new samples' in out
-    assert (
-        "http://127.0.0.1:9/v1 is the run's plain target server (no hidden-states connector): launching an extraction server"
-        in out
-    )
+    assert 'no extraction servers in the recipe (serving.extract.urls): launching one here' in out
     spool = Path(r.data_root) / 'hidden' / '.engine' / 'spool'
     assert not list(spool.iterdir())  # the readiness probe's file too: the spool is ours
     hf = hf_store(
@@ -310,7 +334,7 @@ def test_bad_spool_file_asked_again_and_too_long_sample_named(qwen3):
     from eagle3nb.engine_extract import EngineExtractError
 
     tmp, ts = qwen3['tmp'] / 'bad', qwen3['ts']
-    r = recipe_for(tmp, 'qwen3-tiny', endpoints=[qwen3['srv'].base_url])
+    r = recipe_for(tmp, 'qwen3-tiny', extract=[qwen3['srv'].base_url])
     r.phases = dict(extract=dict(spool=str(qwen3['spool'])))
     corpus(Path(r.data_root), ts['vocab_size'], 3, 10, 20, seed=3)
     stale = qwen3['spool'] / spool_name('x3-0001')  # a killed run's file for the wrong tokens (2 instead of 10-20)
@@ -319,7 +343,7 @@ def test_bad_spool_file_asked_again_and_too_long_sample_named(qwen3):
     assert rows[0]['new_samples'] == 3 and not stale.exists()
     store = Path(r.data_root) / 'hidden' / 'bf16' / 'train'
     assert not validate(store, corpus=load_from_disk(str(Path(r.data_root) / 'corpus' / 'train')))['problems']
-    long = recipe_for(tmp / 'long', 'qwen3-tiny', endpoints=[qwen3['srv'].base_url])
+    long = recipe_for(tmp / 'long', 'qwen3-tiny', extract=[qwen3['srv'].base_url])
     long.phases = r.phases
     corpus(Path(long.data_root), ts['vocab_size'], 1, 2100, 2100, seed=4)  # the server's --max-model-len is 2048
     with pytest.raises(EngineExtractError, match=r'sample x4-0000: .*HTTP 400'):
@@ -351,8 +375,6 @@ def test_kill9_of_extract_takes_the_engine_it_launched_with_it(tmp_path):
     assert any('vllm' in ' '.join(k.cmdline()) for k in kids), [k.cmdline()[:4] for k in kids]
     p.send_signal(signal.SIGKILL)
     p.wait()
-    while engine_busy(qwen3['srv'].base_url):
-        time.sleep(0.05)  # the requests the client left in flight still finish, each writing its spool file: count them
     t0 = time.monotonic()
     _, alive = psutil.wait_procs(kids, timeout=180)  # a hang guard: the guard SIGKILLs what outlives its grace
     print(f'{len(kids)} processes of the killed extraction gone {time.monotonic() - t0:.1f} s after the kill')
@@ -406,9 +428,10 @@ def hf_nf4_check(nf4_dir, hf_bf16_dir, tol: float) -> float:
 
 @needs_sglang
 def test_sglang_servers_launched_by_the_extraction_session(sg_qwen3):
-    "Two servers, started at once, their logs with the data; the run's plain server is named and never asked"
+    "Two servers, started at once, their logs with the data; the run's plain server (target.endpoints) is never asked"
     assert sg_qwen3['said'][0] == (
-        "http://127.0.0.1:9/v1 is the run's plain target server: launching two SGLang extraction servers"
+        "no extraction servers in the recipe (serving.extract.urls): launching two SGLang servers here "
+        "(the engine's defaults)"
     )
     assert sg_qwen3['said'][1].startswith('SGLang extraction servers ready in ')
     assert (sg_qwen3['engine_dir'] / 'sglang-aux.log').exists() and (
@@ -425,7 +448,7 @@ def test_sglang_qwen3_stores_equal_hf(sg_qwen3):
     import duckdb
 
     tmp, ts = sg_qwen3['tmp'] / 'eq', sg_qwen3['ts']
-    r = recipe_for(tmp, 'qwen3-tiny', endpoints=[sg_qwen3['final'], sg_qwen3['aux']])
+    r = recipe_for(tmp, 'qwen3-tiny', extract=[sg_qwen3['final'], sg_qwen3['aux']])
     r.phases = dict(extract=dict(concurrency=4))
     corpus(Path(r.data_root), ts['vocab_size'], 24, 5, 120)
     t0 = time.perf_counter()
@@ -467,14 +490,7 @@ def test_sglang_qwen3_stores_equal_hf(sg_qwen3):
     assert (again[0]['new_samples'], again[0]['skipped'], again[0]['requests']) == (0, 24, 0)
 
 
-_SGdef engine_busy(base_url: str) -> float:
-    "Requests the vLLM server at `base_url` is running or holds waiting (its own gauges)"
-    with http_client(30) as c:
-        text = c.get(server_root(base_url) + '/metrics').text
-    return sum(v for n, _, v in prom_samples(text) if n in ('vllm:num_requests_running', 'vllm:num_requests_waiting'))
-
-
-_CHILD = """
+_SG_CHILD = """
 import sys
 from eagle3nb.engine_extract import extract_recipe_engine
 from eagle3nb.recipe import load_recipe
@@ -487,7 +503,7 @@ extract_recipe_engine(load_recipe(sys.argv[1]), modes='bf16,compact', splits='tr
 def test_sglang_kill9_mid_run_then_resume_nothing_lost_or_doubled(sg_qwen3):
     "SIGKILL an SGLang extraction while shards land; the rerun stores every sample exactly once in both stores"
     tmp, ts, n = sg_qwen3['tmp'] / 'kill', sg_qwen3['ts'], 80
-    r = recipe_for(tmp, 'qwen3-tiny', endpoints=[sg_qwen3['aux'], sg_qwen3['final']])
+    r = recipe_for(tmp, 'qwen3-tiny', extract=[sg_qwen3['aux'], sg_qwen3['final']])
     corpus(Path(r.data_root), ts['vocab_size'], n, 16, 40, seed=1)
     path = save_recipe(r, tmp / 'recipe.yaml')
     stores = {m: Path(r.data_root) / 'hidden' / m / 'train' for m in ('bf16', 'compact')}
@@ -499,8 +515,6 @@ def test_sglang_kill9_mid_run_then_resume_nothing_lost_or_doubled(sg_qwen3):
     assert p.poll() is None, f'the run ended before the kill: {p.stderr.read().decode()[-2000:]}'
     p.send_signal(signal.SIGKILL)
     p.wait()
-    while engine_busy(qwen3['srv'].base_url):
-        time.sleep(0.05)  # the requests the client left in flight still finish, each writing its spool file: count them
     before = {m: {x['sample_id'] for x in read_index(d)} for m, d in stores.items()}
     print(f'killed with {[len(b) for b in before.values()]} of {n} samples stored')
     assert all(0 < len(b) < n for b in before.values())
@@ -523,12 +537,12 @@ def test_sglang_endpoints_checked_before_any_request(sg_qwen3):
     from eagle3nb.engine_extract import EngineExtractError
 
     tmp, ts = sg_qwen3['tmp'] / 'chk', sg_qwen3['ts']
-    r = recipe_for(tmp, 'qwen3-tiny', endpoints=[sg_qwen3['aux']])
+    r = recipe_for(tmp, 'qwen3-tiny', extract=[sg_qwen3['aux']])
     corpus(Path(r.data_root), ts['vocab_size'], 2, 5, 10, seed=5)
     with pytest.raises(EngineExtractError, match='no SGLang server returning the final states'):
         extract_recipe_engine(r, modes='bf16', splits='train', progress=False, log=lambda *a: None, engine='sglang')
     r.target.aux_layers = [2, 3, 5]
-    r.target.endpoints = [sg_qwen3['aux'], sg_qwen3['final']]
+    r.serving.extract.urls = [sg_qwen3['aux'], sg_qwen3['final']]
     with pytest.raises(EngineExtractError, match=r'returns aux layers \[1, 3, 4\].*layer-ids 1 2 4'):
         extract_recipe_engine(r, modes='bf16', splits='train', progress=False, log=lambda *a: None, engine='sglang')
     assert not list((Path(r.data_root) / 'hidden').rglob('*.safetensors'))  # nothing asked, nothing stored
@@ -540,7 +554,7 @@ def test_sglang_cli_engine_flag_equals_hf(sg_qwen3, capsys):
     from eagle3nb.cli import main
 
     tmp, ts = sg_qwen3['tmp'] / 'cli', sg_qwen3['ts']
-    r = recipe_for(tmp, 'qwen3-tiny', endpoints=[sg_qwen3['aux'], sg_qwen3['final']])
+    r = recipe_for(tmp, 'qwen3-tiny', extract=[sg_qwen3['aux'], sg_qwen3['final']])
     corpus(Path(r.data_root), ts['vocab_size'], 12, 5, 100, seed=2)
     main(['extract', str(save_recipe(r, tmp / 'recipe.yaml')), '--splits', 'train', '--engine', 'sglang'])
     assert 'sglang: bf16/train: 12 new samples' in capsys.readouterr().out
