@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['MANIFEST', 'PARTIAL', 'LOCK', 'RETRY_STATUS', 'DownloadError', 'is_commit', 'Hub', 'git_blob_id', 'file_hashes',
            'RemoteFile', 'Damaged', 'transient', 'retry_after', 'hub_retrying', 'explain', 'hub_call', 'storage',
-           'fill_cache', 'cached_files', 'resolve_commit', 'hub_files', 'select', 'cache_tree', 'list_files',
+           'fill_cache', 'cached_files', 'resolve_commit', 'hub_files', 'inside', 'select', 'cache_tree', 'list_files',
            'fetch_once', 'local_state', 'publish', 'read_download_manifest', 'write_manifest', 'up_to_date',
            'extra_files', 'fetch_files', 'download_dataset', 'download_recipe']
 
@@ -324,10 +324,23 @@ def hub_files(repo: str, commit: str, hub: Hub) -> list:  # of RemoteFile
     ]
 
 
+def inside(path: str, repo: str) -> str:
+    "`path` if it names a file inside the dataset's folder; a listing naming one elsewhere is refused, whole"
+    parts = path.split('/')
+    if not path or path.startswith('/') or '\\' in path or ':' in parts[0] or any(x in ('', '.', '..') for x in parts):
+        raise DownloadError(
+            f"{repo}: its listing names {path!r}, which is no file inside the dataset (absolute, '..', a drive or an "
+            "empty part): nothing is written; check the Hub it came from (HF_ENDPOINT)"
+        )
+    return path
+
+
 def select(files: list, patterns: list, repo: str) -> list:
     "The files whose path matches one of `patterns` (huggingface_hub's `allow_patterns` rules); all when empty"
     from huggingface_hub.utils import filter_repo_objects
 
+    for f in files:  # before any pattern: a listing that names a path outside the dataset is not trusted at all
+        inside(f.path, repo)
     out = list(filter_repo_objects(files, allow_patterns=list(patterns) or None, key=lambda f: f.path))
     if not out:
         some = ', '.join(f.path for f in files[:5]) + (', ...' if len(files) > 5 else '')

@@ -5,10 +5,10 @@
 # %% auto #0
 __all__ = ['RUN_FIELDS', 'KINDS', 'MOVED', 'PHASES', 'Params', 'type_name', 'parameters_source', 'cell_parameters', 'number_hint',
            'value_problem', 'params_problems', 'Record', 'write_record', 'read_record', 'Phase', 'phase', 'phases',
-           'smoke_recipe', 'RunContext', 'Endpoint', 'EngineSession']
+           'claim_run_dir', 'smoke_recipe', 'RunContext', 'Endpoint', 'EngineSession']
 
 # %% ../nbs/06_phase.ipynb #a32649f6
-import importlib, os, pkgutil, tempfile
+import importlib, json, os, pkgutil, tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, get_args, get_origin
@@ -243,6 +243,38 @@ def phases() -> dict:
     return dict(sorted(PHASES.items(), key=lambda kv: kv[1].stem))
 
 # %% ../nbs/06_phase.ipynb #19ff2798
+def claim_run_dir(
+    run_dir,  # the folder a phase writes its record, metrics.jsonl and checkpoints/ into
+) -> Path:
+    "`run_dir` made a run folder: new, empty, or one eagle3nb made (its marker, or a runner's run.json); else refused"
+    from eagle3nb.recipe import mark_output, read_marker
+
+    p = Path(run_dir)
+    ours = read_marker(p).get('verb') == 'run' or _runner_record(p)
+    if p.is_dir() and not ours and any(p.iterdir()):
+        names = sorted(x.name for x in p.iterdir())
+        more = f', ... ({len(names)} in all)' if len(names) > 4 else ''
+        raise FileExistsError(
+            f"{p} holds files eagle3nb did not write ({', '.join(names[:4])}{more}): a run folder gets phase records, "
+            "metrics.jsonl and checkpoints/, which would go among them. Give a new or empty --run-dir, or one eagle3nb made"
+        )
+    if p.exists() and not p.is_dir():
+        raise FileExistsError(f"{p} is a file, not a folder: give a folder for the run's records (--run-dir)")
+    p.mkdir(parents=True, exist_ok=True)
+    if read_marker(p).get('verb') != 'run':
+        mark_output(p, 'run')
+    return p
+
+
+def _runner_record(p: Path) -> bool:
+    "Does `p` hold a runner's run.json (a run folder of an eagle3nb that left no marker)?"
+    try:
+        rec = json.loads((p / 'run.json').read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(rec, dict) and 'run_id' in rec
+
+
 def smoke_recipe(d, toy: str = 'kimi-tiny') -> Recipe:
     "A recipe for a smoke run in folder `d`: toy target `toy` served by `transformers serve` (seconds to start)"
     d = Path(d)
@@ -278,6 +310,8 @@ class RunContext:
     ):  # -> RunContext
         "The context of a phase notebook or verb: `recipe` a YAML path or `Recipe`, empty for a smoke run"
         run_dir = Path(run_dir or tempfile.mkdtemp(prefix='e3nb-run-'))
+        if int(os.environ.get('RANK', 0)) == 0:  # rank 0 claims it; the other ranks of a torchrun write beside it
+            claim_run_dir(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         smoke = not recipe
         if smoke:

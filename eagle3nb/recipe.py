@@ -558,7 +558,8 @@ def mark_output(
     if stamp:
         info.update(time=time.strftime('%Y-%m-%dT%H:%M:%S%z'), host=socket.gethostname(), pid=os.getpid())
     p = Path(d) / MARKER
-    p.write_text(json.dumps(info) + '\n')
+    with atomic_write(p) as f:  # whole or not at all: another rank may be reading it
+        f.write(json.dumps(info) + '\n')
     return p
 
 

@@ -196,3 +196,17 @@ def test_download_verb(hub, tmp_path, capsys):
         main(['download', str(recipe(tmp_path, repo='org/gated', subdir=None)), '--run-dir', str(tmp_path / 'run')])
     err = capsys.readouterr().err.splitlines()[-1]  # after the progress bar's lines
     assert e.value.code == 1 and err.startswith('eagle3nb download: error: org/gated: x.json: a gated dataset'), err
+
+
+@pytest.mark.parametrize('evil', ['../../victim.txt', '/tmp/abs-victim.txt', 'data/../../../victim.txt'])
+def test_a_listing_that_climbs_out_is_refused_whole(hub, tmp_path, evil):
+    "A mirror whose listing names a path outside raw/<name>/ gets nothing written, anywhere: one line names the path"
+    victim = tmp_path / 'victim.txt'
+    victim.write_text('mine')
+    hub.commit('org/toy', {**FILES, evil: b'pwned'})
+    with pytest.raises(DownloadError, match='no file inside the dataset'):
+        fetch(recipe(tmp_path, subdir=None))
+    assert victim.read_text() == 'mine' and not list(tmp_path.glob('victim.txt.local-*'))
+    raw = raw_dir(load_recipe(recipe(tmp_path)), 'toy')
+    left = [p.name for p in raw.rglob('*') if p.is_file()] if raw.exists() else []
+    assert left in ([], ['.eagle3nb_download.lock']), left  # its lock at most: no file fetched
