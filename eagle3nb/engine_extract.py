@@ -849,7 +849,7 @@ def final_state_check(
         final, theirs = _final_and_next(client, model_dir, f'probe-{i}', [int(t) for t in ids])
         agree += int((head @ final[-1]).argmax()) == theirs
     ok = agree >= min_share * len(probes)
-    how = f"{agree}/{len(probes)} probes: the final state through the target's norm and lm_head gives the server's own token"
+    how = f"{agree}/{len(probes)} probes: the final state, through the target's norm and lm_head, gives its own token"
     bad = (
         f"{agree}/{len(probes)} probes agree: the final state it returns is not the target's last layer (vLLM before "
         "the fix for #46973 drops DeepSeek/Kimi's): a teacher built from it trains a draft nobody accepts. Upgrade "

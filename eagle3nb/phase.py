@@ -256,7 +256,8 @@ def claim_run_dir(
         more = f', ... ({len(names)} in all)' if len(names) > 4 else ''
         raise FileExistsError(
             f"{p} holds files eagle3nb did not write ({', '.join(names[:4])}{more}): a run folder gets phase records, "
-            "metrics.jsonl and checkpoints/, which would go among them. Give a new or empty --run-dir, or one eagle3nb made"
+            "metrics.jsonl and checkpoints/, which would go among them. Give a new or empty --run-dir, or one eagle3nb "
+            "made"
         )
     if p.exists() and not p.is_dir():
         raise FileExistsError(f"{p} is a file, not a folder: give a folder for the run's records (--run-dir)")
@@ -503,7 +504,8 @@ def point(self: EngineSession, url: str, model: str = None) -> Endpoint:
     try:
         model = model or list_models(url, api_key=key)[0]
     except httpx.TransportError as e:  # nothing answers there: the user's to fix, in one line
-        raise ServerNotReady(f"{url}: no server answers ({e}); start it, or fix target.endpoints") from None
+        fix = 'start it, or fix the URL in the recipe (target.endpoints, serving)'
+        raise ServerNotReady(f"{url}: no server answers ({e}); {fix}") from None
     return Endpoint(url, model, key, 'recipe', self.engine_at(url))
 
 

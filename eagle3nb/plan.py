@@ -754,7 +754,7 @@ def _train_cmds(f: dict, run) -> list:
 
 
 def _engine_cmds(f: dict, modes: str) -> list:
-    "Extraction through the engine: the servers `serving.extract` describes (the engine's command builder), then the verb"
+    "Extraction through the engine: the servers `serving.extract` describes (its engine's command builder), the verb"
     from eagle3nb.engine import settle, sglang_command, vllm_command
     from eagle3nb.engine_extract import SGLANG_EXTRACT_FLAGS, extract_kv_config, extract_spec
 

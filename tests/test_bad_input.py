@@ -1466,6 +1466,22 @@ def cases() -> list:
         ["--speculative-draft-model-path '", "my draft; x' ", "t $t' "],
         odd_draft,
     )
+
+    # -- round three: a run folder is eagle3nb's before anything goes in (train, plan, any phase verb)
+    def users_run_dir(d, S):
+        recipe(d, S['toy'])
+        (d / 'mine').mkdir()
+        (d / 'mine' / 'metrics.jsonl').write_text('{"step": 1, "loss": 2.5}\n')
+        (d / 'mine' / 'train.json').write_text('{"mine": true}\n')
+
+    for verb in ('train', 'plan', 'catalog'):
+        add(
+            f'{verb} --run-dir into a folder of the user\'s',
+            lambda d, S, verb=verb: [verb, d / 'recipe.yaml', '--run-dir', d / 'mine'],
+            1,
+            ['mine', 'holds files eagle3nb did not write', 'metrics.jsonl'],
+            users_run_dir,
+        )
     return C
 
 

@@ -15,7 +15,7 @@ from eagle3nb.toy import ensure_toy
 
 ROOT = Path(__file__).resolve().parent.parent
 EAGLE3NB = str(Path(sys.executable).parent / 'eagle3nb')
-ENGINE_WORDS = ('vllm', 'sglang')  # in the command line of any engine process
+ENGINE_SERVERS = ('sglang.launch_server', 'vllm.entrypoints', 'vllm serve', 'sglang::', 'EngineCore')  # their argv
 
 pytestmark = pytest.mark.skipif(
     not (sglang_available() and engine_available()) and not os.environ.get('EAGLE3NB_REQUIRE_ENGINE'),
@@ -31,7 +31,7 @@ def run_id():
 
 
 def watched_run(args: list) -> tuple:  # (completed process, engine command lines seen among its descendants)
-    "`eagle3nb run ...`, its process tree sampled until it ends: any engine it started is seen"
+    "`eagle3nb run ...`, its process tree sampled until it ends: any engine server it started is seen"
     p = subprocess.Popen(
         [EAGLE3NB, 'run', *args],
         cwd=ROOT,
@@ -47,7 +47,7 @@ def watched_run(args: list) -> tuple:  # (completed process, engine command line
             try:
                 for c in me.children(recursive=True):
                     line = ' '.join(c.cmdline())
-                    if any(w in line for w in ENGINE_WORDS):
+                    if any(w in line for w in ENGINE_SERVERS):  # (doctor's parser runs are no server)
                         seen.add(line)
             except psutil.Error:
                 pass

@@ -461,8 +461,8 @@ def test_phase_notebooks_on_a_recipe_without_datasets(tmp_path):
             cwd=str(nb.parent),
             kernel_name='python3',
             progress_bar=False,
-            parameters=dict(recipe=str(tmp_path / 'recipe.yaml'), run_dir=str(tmp_path)),
+            parameters=dict(recipe=str(tmp_path / 'recipe.yaml'), run_dir=str(tmp_path / 'run')),
         )
         text = (tmp_path / f'{ph}.ipynb').read_text()
         assert 'empty corpus' in text
-    assert json.loads((tmp_path / 'merge.json').read_text())['train'] == 0
+    assert json.loads((tmp_path / 'run' / 'merge.json').read_text())['train'] == 0

@@ -125,7 +125,7 @@ def test_smoke_phases_load_the_target_with_the_recipes_value(trc, tmp_path, load
 
     ps = phases()
     keys = ('prepare', 'render', 'vocab', 'extract', 'export') if trc else ('prepare', 'extract')
-    with RunContext.open('', tmp_path, trust_remote_code=trc) as ctx:
+    with RunContext.open('', tmp_path / 'run', trust_remote_code=trc) as ctx:
         recs = {k: ps[k](ctx) for k in keys}
         got = of(loads, ctx.target)
     assert set(got) >= {'AutoTokenizer', 'AutoConfig', 'AutoModelForCausalLM'}, got
