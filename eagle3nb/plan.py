@@ -31,7 +31,7 @@ class PlanParams(Params):
     extract_engine_tok_s: float = Field(15_000.0, description='tokens/s of one TP-8 vLLM node (extract --engine vllm)')
     extract_samples_s: float = Field(
         0.0,
-        description='extraction samples/s, as extract_samples_s_per says, where measured that way; 0: from tokens/s',
+        description='samples/s of extraction (whose: extract_samples_s_per), if so measured; 0: tokens/s',
     )
     extract_samples_s_per: str = Field(
         'fleet', description="extract_samples_s is one server's (server) or all extract_nodes' (fleet)"
