@@ -93,7 +93,7 @@ docs: venv
 # failure in the notebooks' tests as in pytest's (verify, doctor's engine row), never a silent skip.
 test: export EAGLE3NB_REQUIRE_ENGINE := 1
 test: venv engine check-format check-export nbtest docs
-	$(BIN)/pytest tests/
+	$(BIN)/pytest --durations=25 tests/
 
 clean:
 	rm -rf _proc _docs build *.egg-info
