@@ -218,6 +218,8 @@ def _doctor(a):
             trust_remote_code=a.trust_remote_code,
             engine=False if a.no_engine else None,
             engine_url=a.engine_url,
+            baseline=a.baseline,
+            speculative=a.speculative,
         )
     )
 
@@ -510,6 +512,8 @@ def parser(suppress: bool = False) -> argparse.ArgumentParser:
         '--engine-url',
         help='base URL of the engine serving the target: the render_parity row compares our rows with its own render',
     )
+    dr.add_argument('--baseline', help='URL of your server of the target alone (with --speculative): the engine row')
+    dr.add_argument('--speculative', help='URL of your server of the target with this draft: nothing is started')
     sb = sub.add_parser(
         'serve-bench',
         help='benchmark a speculative endpoint against its baseline (serve-bench RECIPE: the phase)',

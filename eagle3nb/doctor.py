@@ -1246,12 +1246,18 @@ def engine_wanted() -> bool:
     return engine_available() or bool(os.environ.get('EAGLE3NB_REQUIRE_ENGINE'))
 
 
-def check_engine(x: DraftExport, max_tokens: int = 32) -> list:
-    "Serve the draft in vLLM: loaded, greedy output unchanged, drafts accepted"
-    from eagle3nb.engine import verify_served, engine_available, SILENT_SIGNS
+def check_engine(
+    x: DraftExport,
+    max_tokens: int = 32,
+    baseline: str = None,  # with `speculative`: the user's servers (the target alone, with the draft): nothing started
+    speculative: str = None,
+) -> list:
+    "Serve the draft in vLLM (or ask the user's servers): loaded, greedy output unchanged, drafts accepted"
+    from eagle3nb.engine import verify_at, verify_served, engine_available, SILENT_SIGNS
     from eagle3nb.phase import EngineSession
 
-    if not engine_available():
+    at = bool(baseline and speculative)
+    if not at and not engine_available():
         why = 'no vLLM engine here (make engine, or set EAGLE3NB_VLLM)'
         if os.environ.get('EAGLE3NB_REQUIRE_ENGINE'):  # make test sets it: there a missing engine is an error
             return [finding('engine', 'FAIL', f"{why}, and EAGLE3NB_REQUIRE_ENGINE is set")]
@@ -1268,10 +1274,18 @@ def check_engine(x: DraftExport, max_tokens: int = 32) -> list:
     with EngineSession.of(
         x.target_dir, trust_remote_code=x.trust_remote_code
     ) as es:  # the servers it starts stop with it
-        r = verify_served(es, x.dir, ps, max_tokens, 3)
+        r = (
+            verify_at(es, x.dir, ps, baseline, speculative, max_tokens, 3)
+            if at
+            else verify_served(es, x.dir, ps, max_tokens, 3)
+        )
     if not r['loaded']:
-        return [finding('engine', 'FAIL', f"vLLM did not serve the draft: {r['error']}")]
-    silent = [w for w in r['warnings'] if any(s in w for s in SILENT_SIGNS)]
+        return [
+            finding(
+                'engine', 'FAIL', f"{'the speculative server' if at else 'vLLM'} did not serve the draft: {r['error']}"
+            )
+        ]
+    silent = [w for w in r.get('warnings') or [] if any(s in w for s in SILENT_SIGNS)]
     if silent:
         return [finding('engine', 'FAIL', f"vLLM serves it other than as trained: {' | '.join(silent)}")]
     if r['greedy_identical'] != len(ps):
@@ -1288,8 +1302,9 @@ def check_engine(x: DraftExport, max_tokens: int = 32) -> list:
         finding(
             'engine',
             'ok',
-            f"vLLM serves it: greedy {len(ps)}/{len(ps)} identical, accept length "
-            f"{r['accept_length']:.2f} at 3 draft tokens",
+            (f"{speculative} ({r['draft_check']['detail']})" if at else 'vLLM')
+            + f" serves it: greedy {len(ps)}/{len(ps)} identical, accept length {r['accept_length']:.2f}"
+            + (' (its own counters)' if at else ' at 3 draft tokens'),
         )
     ]
 
@@ -1354,6 +1369,8 @@ def doctor(
     trust_remote_code: bool = False,  # for the target's config and tokenizer (real Kimi needs it)
     engine: bool = False,  # also serve the draft in vLLM (the `engine` row); off: n/a
     engine_url: str = None,  # the engine serving the target, for the render-parity row; None: `server`, else n/a
+    baseline: str = None,  # the engine row on the user's servers: the target alone ...
+    speculative: str = None,  # ... and the target with this draft (both given: nothing is started)
 ) -> pd.DataFrame:  # columns check, status, detail; one row per check
     "Check an exported draft against its target and how it is served"
     x, sa = DraftExport(draft_dir, target_dir, trust_remote_code), _served(server_args, server)
@@ -1377,8 +1394,8 @@ def doctor(
         chat_template=check_chat_template,
         rope=check_rope,
         draft_variant=check_draft_variant,
-        engine=check_engine
-        if engine
+        engine=(lambda x: check_engine(x, baseline=baseline, speculative=speculative))
+        if engine or (baseline and speculative)
         else lambda x: [
             finding('engine', 'n/a', 'not asked (engine=False; the CLI runs it when an engine is installed)')
         ],
@@ -1407,11 +1424,13 @@ def doctor_cli(
     trust_remote_code: bool = False,  # for the target's config and tokenizer
     engine: bool = None,  # serve it in vLLM too; None: `engine_wanted()`
     engine_url: str = None,  # URL of the engine serving the target: our render against its own (render_parity)
+    baseline: str = None,  # URL of your server of the target alone (with `speculative`): the engine row asks them
+    speculative: str = None,  # URL of your server of the target with this draft
 ) -> int:  # exit status: 1 if any check fails
     "`eagle3nb doctor DIR --target TARGET_DIR`: print the report; 1 if anything fails"
     if engine is None:
         engine = engine_wanted()
-    df = doctor(draft_dir, target, server_args, server, trust_remote_code, engine, engine_url)
+    df = doctor(draft_dir, target, server_args, server, trust_remote_code, engine, engine_url, baseline, speculative)
     print(doctor_report(df))
     bad = df[df.status == 'FAIL']
     if len(bad):  # one line on stderr, as every failing verb gives: the first problem, the rest in the report

@@ -23,51 +23,62 @@ from .target import text_config
 class PlanParams(Params):
     "The plan's stated assumptions; the document prints each with its value and its description"
 
-    gen_tok_s: float = Field(5_000.0, description='output tokens/s of generation, as gen_tok_s_per says')
+    gen_tok_s: float = Field(5_000.0, gt=0, description='output tokens/s of generation, as gen_tok_s_per says')
     gen_tok_s_per: str = Field('fleet', description="gen_tok_s is one server's (server) or all endpoints' (fleet)")
-    gen_gpus: int = Field(0, description='GPUs of the generation fleet; 0: endpoints x gpus_per_target')
-    extract_tok_s: float = Field(10_000.0, description='target forward tokens/s per node (extract engine hf)')
-    extract_nodes: int = Field(1, description='nodes extracting at once')
-    extract_engine_tok_s: float = Field(15_000.0, description='tokens/s of one TP-8 vLLM node (extract --engine vllm)')
+    gen_gpus: int = Field(0, ge=0, description='GPUs of the generation fleet; 0: endpoints x gpus_per_target')
+    extract_tok_s: float = Field(10_000.0, gt=0, description='target forward tokens/s per node (extract engine hf)')
+    extract_nodes: int = Field(1, ge=1, description='nodes extracting at once')
+    extract_engine_tok_s: float = Field(
+        15_000.0, gt=0, description='tokens/s of one TP-8 vLLM node (extract --engine vllm)'
+    )
     extract_samples_s: float = Field(
         0.0,
+        ge=0,
         description='samples/s of extraction (whose: extract_samples_s_per), if so measured; 0: tokens/s',
     )
     extract_samples_s_per: str = Field(
         'fleet', description="extract_samples_s is one server's (server) or all extract_nodes' (fleet)"
     )
-    gpus_per_target: int = Field(1, description='GPUs one copy of the target spans (8: TP 8 or device_map auto)')
-    train_tok_s: float = Field(20_000.0, description='draft training tokens/s per GPU')
-    gpus: int = Field(8, description='training GPUs, all nodes together')
-    gpus_per_node: int = Field(8, description='GPUs per node (torchrun --nproc_per_node)')
-    epochs: float = Field(2.0, description='passes over the train split')
+    gpus_per_target: int = Field(1, ge=1, description='GPUs one copy of the target spans (8: TP 8 or device_map auto)')
+    train_tok_s: float = Field(20_000.0, gt=0, description='draft training tokens/s per GPU')
+    gpus: int = Field(8, ge=1, description='training GPUs, all nodes together')
+    gpus_per_node: int = Field(8, ge=1, description='GPUs per node (torchrun --nproc_per_node)')
+    epochs: float = Field(2.0, gt=0, description='passes over the train split')
     modes: str = Field('bf16,compact,nf4', description='storage modes to size on disk')
-    mean_tokens: int = Field(2_000, description='tokens per sample of a dataset not in the catalog yet')
+    mean_tokens: int = Field(2_000, ge=1, description='tokens per sample of a dataset not in the catalog yet')
     dataset_tokens: dict = Field({}, description='per-dataset mean_tokens as dataset name -> tokens')
     dataset_turns: dict = Field(
         {}, description='per-dataset assistant turns per conversation (policies turns, prefix) as name -> n; default 1'
     )
     dataset_response_tokens: dict = Field({}, description="per-dataset tokens of one of the target's answers")
-    prompt_tokens: int = Field(300, description='prompt tokens per prompt-only sample not in the catalog yet')
-    response_tokens: int = Field(2_000, description='tokens per generated response')
+    prompt_tokens: int = Field(300, ge=0, description='prompt tokens per prompt-only sample not in the catalog yet')
+    response_tokens: int = Field(2_000, ge=1, description='tokens per generated response')
     prompt_share: float = Field(
-        0.5, description="share of a recorded chat's tokens that are not the answers regeneration replaces"
+        0.5, ge=0, le=1, description="share of a recorded chat's tokens that are not the answers regeneration replaces"
     )
     dataset_prompt_tokens: dict = Field(
         {}, description='per-dataset tokens a regenerated chat keeps (its prompts), as name -> tokens; default by share'
     )
-    hidden_size: int = Field(0, description="target H; 0 reads the target's config.json")
-    num_hidden_layers: int = Field(0, description='target depth N; 0 reads config.json')
-    vocab_size: int = Field(0, description='target vocabulary; 0 reads config.json')
+    hidden_size: int = Field(0, ge=0, description="target H; 0 reads the target's config.json")
+    num_hidden_layers: int = Field(0, ge=0, description='target depth N; 0 reads config.json')
+    vocab_size: int = Field(0, ge=0, description='target vocabulary; 0 reads config.json')
     disk_tb: float = Field(
-        0.0, description='size of the disk hidden/ goes to, TB (decimal); 0: the free space measured here'
+        0.0, ge=0, description='size of the disk hidden/ goes to, TB (decimal); 0: the free space measured here'
     )
-    disk_margin: float = Field(1.1, description='disk bytes wanted per planned byte (the headroom rule)')
-    stated_gb_per_1k: float = Field(0.0, description='your own hidden-state GB per 1,000 samples, shown beside ours')
-    baseline_tok_s: float = Field(0.0, description='served output tok/s of the target alone today (0: not stated)')
-    spec_tok_s: float = Field(0.0, description='served output tok/s with the best draft so far, same load (0: none)')
-    spec_accept: float = Field(0.0, description="that draft's accept length (0: none)")
-    version: int = Field(0, description='the first plan version to write (5 after your train_plan_v4.md); 0: next')
+    disk_margin: float = Field(1.1, ge=1, description='disk bytes wanted per planned byte (the headroom rule)')
+    stated_gb_per_1k: float = Field(
+        0.0, ge=0, description='your own hidden-state GB per 1,000 samples, shown beside ours'
+    )
+    baseline_tok_s: float = Field(
+        0.0, ge=0, description='served output tok/s of the target alone today (0: not stated)'
+    )
+    spec_tok_s: float = Field(
+        0.0, ge=0, description='served output tok/s with the best draft so far, same load (0: none)'
+    )
+    spec_accept: float = Field(0.0, ge=0, description="that draft's accept length (0: none)")
+    version: int = Field(
+        0, ge=0, description='the first plan version to write (5 after your train_plan_v4.md); 0: next'
+    )
     run_id: str = Field('', description='papermill_runs/<run_id>/ in the commands; empty means <recipe>-v<N>')
 
     @field_validator('gen_tok_s_per', 'extract_samples_s_per')

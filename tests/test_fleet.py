@@ -41,10 +41,10 @@ def run_id():
     shutil.rmtree(ROOT / 'papermill_runs' / rid, ignore_errors=True)
 
 
-def watched_run(args: list) -> tuple:  # (completed process, engine command lines seen among its descendants)
-    "`eagle3nb run ...`, its process tree sampled until it ends: any engine server it started is seen"
+def watched(args: list) -> tuple:  # (completed process, engine command lines seen among its descendants)
+    "`eagle3nb ARGS`, its process tree sampled until it ends: any engine server it started is seen"
     p = subprocess.Popen(
-        [EAGLE3NB, 'run', *args],
+        [EAGLE3NB, *map(str, args)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -95,15 +95,21 @@ def test_the_run_on_servers_it_did_not_start(tmp_path, run_id):
         ph['serve_bench'] = dict(concurrencies='1', max_k=0)
         (tmp_path / 'fleet.yaml').write_text(yaml.safe_dump(r))
         first = 'target_check,download,prepare,render,catalog,generate,merge,vocab,extract,train,export,doctor'
-        p1, seen1 = watched_run([str(tmp_path / 'fleet.yaml'), '--run-id', run_id, '--phases', first])
+        p1, seen1 = watched(['run', tmp_path / 'fleet.yaml', '--run-id', run_id, '--phases', first])
         assert p1.returncode == 0, p1.stderr[-4000:]
         rd = ROOT / 'papermill_runs' / run_id
         export = tmp_path / 'data' / 'export'
         spec = SglangServer(target, port=spec_port, draft=export, k=3, log_path=tmp_path / 'sglang-spec.log')
         spec.start().wait_ready()  # the user's speculative server, as launch_sglang.sh says (port ours)
-        p2, seen2 = watched_run([str(tmp_path / 'fleet.yaml'), '--run-id', run_id, '--phases', 'verify,serve_bench'])
+        p2, seen2 = watched(['run', tmp_path / 'fleet.yaml', '--run-id', run_id, '--phases', 'verify,serve_bench'])
         assert p2.returncode == 0, p2.stderr[-4000:]
-        assert seen1 == seen2 == set(), seen1 | seen2  # no engine process under the run, ever
+        # doctor's engine row on the same servers, as the user runs it once the draft is served
+        urls = ['--baseline', gen.base_url, '--speculative', spec_url, '--server', spec_url]
+        d, seen3 = watched(['doctor', export, '--target', target, *urls])
+        assert d.returncode == 0, d.stdout[-3000:] + d.stderr[-2000:]
+        said = ' '.join(d.stdout.split())  # the report wraps its details: words in order, one space apart
+        assert f'engine ok {spec_url} (SGLang serves EAGLE3 with' in said and '(its own counters)' in said, d.stdout
+        assert seen1 == seen2 == seen3 == set(), seen1 | seen2 | seen3  # no engine server under the run, ever
         rec = lambda k: json.loads((rd / f'{k}.json').read_text())
         # target_check asked every role's servers: the extraction server returns the right final state
         checks = {c['check']: c for c in rec('target_check')['checks']}

@@ -9,6 +9,7 @@ __all__ = ['Params', 'Record', 'launches', 'run']
 from pathlib import Path
 from pydantic import Field
 from ..phase import Params as _Params, Record as _Record, RunContext, phase, write_record
+from ..recipe import role
 
 # %% ../../nbs/96_phases/71_doctor.ipynb #98e7dda6
 class Params(_Params):
@@ -55,6 +56,18 @@ def _draft(ctx: RunContext, p: Params) -> Path:
     return d
 
 # %% ../../nbs/96_phases/71_doctor.ipynb #c56abd7d
+def _answers(url: str, ctx: RunContext) -> bool:
+    "Does a server answer at `url` (its model list)?"
+    import httpx
+    from eagle3nb.recipe import api_key
+    from eagle3nb.server import list_models
+
+    try:
+        return bool(list_models(url, api_key(ctx.recipe) if ctx.recipe.target.api_key_env else None))
+    except (httpx.HTTPError, ValueError, KeyError):
+        return False
+
+
 @phase('doctor', '71_doctor', Params, Record, help='check the exported draft against its target and every launch of it')
 def run(ctx: RunContext, p: Params) -> Record:
     "Doctor the export once per launch; on any failure write the record, then raise `DoctorError`"
@@ -66,6 +79,9 @@ def run(ctx: RunContext, p: Params) -> Record:
     if not (d / 'config.json').exists():
         raise FileNotFoundError(f'{d}: no exported draft (config.json); run the export phase (70_export) first')
     kw = dict(trust_remote_code=ctx.trust_remote_code, engine=p.engine)  # the recipe's target.trust_remote_code
+    d_ = role(ctx.recipe, 'draft')  # the user's servers, where the recipe names them and they answer yet: the
+    if d_.speculative and _answers(d_.speculative, ctx):  # speculative one starts once the draft is exported
+        kw.update(baseline=d_.baseline, speculative=d_.speculative)
     srcs = launches(ctx.run_dir, p.server_args, p.server)
     checks = [
         dict(source=s, **row) for s, a in srcs.items() for row in doctor(d, ctx.target, **a, **kw).to_dict('records')
