@@ -153,6 +153,14 @@ def params_problems(
         except Exception as e:  # pydantic's ValidationError: a Literal, a bound
             msg = e.errors()[0]['msg'] if hasattr(e, 'errors') else str(e)
             out.append(f"phases.{key}.{k}: {v!r}: {msg}")
+    if out:
+        return out
+    try:  # each value is fine alone: now the rules that compare two of them
+        P.model_validate(values)
+    except Exception as e:  # pydantic's ValidationError from a model validator
+        for x in e.errors() if hasattr(e, 'errors') else [dict(loc=(), msg=str(e))]:
+            at = '.'.join(map(str, x['loc']))
+            out.append(f"phases.{key}{'.' + at if at else ''}: {x['msg'].removeprefix('Value error, ')}")
     return out
 
 # %% ../nbs/06_phase.ipynb #75237ece

@@ -1482,6 +1482,22 @@ def cases() -> list:
             ['mine', 'holds files eagle3nb did not write', 'metrics.jsonl'],
             users_run_dir,
         )
+    # -- round three: recipe check compares parameters, and bounds the plan's numbers
+    add(
+        'recipe check: served_eval_every not a multiple of ckpt_every',
+        lambda d, S: ['recipe', 'check', d / 'recipe.yaml'],
+        1,
+        ['phases.train', 'served_eval_every 300 is not a multiple of ckpt_every 200'],
+        lambda d, S: recipe(d, S['toy'], phases=dict(train=dict(served_eval_every=300, ckpt_every=200))),
+    )
+    for k, v in (('gpus', 0), ('disk_tb', -5), ('gpus_per_node', 0)):
+        add(
+            f'plan with phases.plan.{k}: {v}',
+            lambda d, S: ['plan', d / 'recipe.yaml', '--out', d / 'plans'],
+            1,
+            [f'phases.plan.{k}', 'greater than'],
+            lambda d, S, k=k, v=v: recipe(d, S['toy'], phases=dict(plan={k: v})),
+        )
     return C
 
 
