@@ -591,9 +591,11 @@ def own_vllm(self: EngineSession):  # -> Endpoint | None
 
 @patch
 def baseline(self: EngineSession, mla_disable: bool = False, python=None) -> Endpoint:
-    "The target alone in the session's engine: the run's own when it fits, else one started here before, else a new one"
+    "The target alone: the recipe's (`serving.draft.baseline`), else the run's own when it fits, else one started here"
     from eagle3nb.engine import SglangServer, VllmServer
 
+    if url := role(self.r, 'draft').baseline:  # the user's server of the target alone: pointed at, never started
+        return self.point(url, self.r.target.served_name)
     if not mla_disable and (own := self.own_vllm()):
         return own
     key = (self.kind, bool(mla_disable), str(python or self.python))
