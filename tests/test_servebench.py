@@ -199,11 +199,8 @@ def test_cli_prints_launch_commands_first(toy_server, tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert out.index('# sglang') < out.index('# vllm') < out.index('out_tok_s')  # the commands, then the table
-    assert (
-        f'--model-path /models/T --speculative-algorithm EAGLE3 --speculative-draft-model-path {tmp_path / "draft"}'
-        in out
-        and '--tp 8' in out
-    )
+    spec = f'--speculative-algorithm EAGLE3 --speculative-draft-model-path {tmp_path / "draft"}'
+    assert '--model-path /models/T ' in out and spec in out and '--tp 8' in out, out
 
 
 def test_eval_prompts(tmp_path):
