@@ -813,7 +813,7 @@ def extract_recipe_engine(
         return extract_context_engine(ctx, **kw)
 
 # %% ../nbs/52_engine_extract.ipynb #d2620c51
-def _final_and_next(client, model_dir, sample_id: str, ids: list) -> tuple:  # final (T, H) float32, next token id
+def _final_and_next(client, norm: tuple, sample_id: str, ids: list) -> tuple:  # final (T, H) float32, next token id
     "One probe: the server's final state of `ids` and its own greedy next token"
     if isinstance(client, SglangClient):
         url = client.urls['final'][client.turn['final'] % len(client.urls['final'])] + '/generate'
@@ -833,7 +833,7 @@ def _final_and_next(client, model_dir, sample_id: str, ids: list) -> tuple:  # f
         got = read_spool(path)
     finally:
         drop_spool(path)
-    return rms_norm(got['hidden_states'][:, -1], *final_norm(model_dir)), int(js['choices'][0]['token_ids'][0])
+    return rms_norm(got['hidden_states'][:, -1], *norm), int(js['choices'][0]['token_ids'][0])
 
 
 def final_state_check(
@@ -844,9 +844,10 @@ def final_state_check(
 ) -> dict:  # ok, agree, n, detail
     "Does the final state the server returns give, through the target's norm and `lm_head`, its own greedy token?"
     head = read_weight(model_dir, _HEAD_KEYS + _EMBED_KEYS).float()  # (V, H)
+    norm = final_norm(model_dir)  # vLLM's state is pre-norm; read once
     agree = 0
     for i, ids in enumerate(probes):
-        final, theirs = _final_and_next(client, model_dir, f'probe-{i}', [int(t) for t in ids])
+        final, theirs = _final_and_next(client, norm, f'probe-{i}', [int(t) for t in ids])
         agree += int((head @ final[-1]).argmax()) == theirs
     ok = agree >= min_share * len(probes)
     how = f"{agree}/{len(probes)} probes: the final state, through the target's norm and lm_head, gives its own token"

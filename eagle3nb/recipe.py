@@ -44,6 +44,13 @@ def one_name(
     return name
 
 # %% ../nbs/00_recipe.ipynb #fb89200a
+def _check_urls(v: list) -> list:
+    for u in v:
+        if not u.startswith(('http://', 'https://')):
+            raise ValueError(f"{u!r} is not an http(s) base URL such as http://host:30000/v1")
+    return v
+
+
 class Target(_Strict):
     "The model we train a draft for, and where it is served"
 
@@ -69,10 +76,7 @@ class Target(_Strict):
     @field_validator('endpoints')
     @classmethod
     def _urls(cls, v):
-        for u in v:
-            if not u.startswith(('http://', 'https://')):
-                raise ValueError(f"{u!r} is not an http(s) base URL such as http://host:30000/v1")
-        return v
+        return _check_urls(v)
 
 # %% ../nbs/00_recipe.ipynb #b1b88223
 class Launch(_Strict):
@@ -86,13 +90,6 @@ class Launch(_Strict):
     kv_cache_gb: float | None = Field(None, gt=0)  # vLLM: a KV cache of this size instead of a memory share
     eager: bool | None = None  # vLLM --enforce-eager (no CUDA graphs, no compile); None: on a CPU build only
     extra: list[str] = []  # more flags, each as the engine's parser reads it (['--max-num-seqs', '256'])
-
-
-def _check_urls(v: list) -> list:
-    for u in v:
-        if not u.startswith(('http://', 'https://')):
-            raise ValueError(f"{u!r} is not an http(s) base URL such as http://host:30000/v1")
-    return v
 
 
 class Role(_Strict):
