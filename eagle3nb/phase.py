@@ -5,10 +5,10 @@
 # %% auto #0
 __all__ = ['RUN_FIELDS', 'KINDS', 'MOVED', 'PHASES', 'Params', 'type_name', 'parameters_source', 'cell_parameters', 'number_hint',
            'value_problem', 'params_problems', 'Record', 'write_record', 'read_record', 'Phase', 'phase', 'phases',
-           'claim_run_dir', 'smoke_recipe', 'RunContext', 'Endpoint', 'EngineSession']
+           'claim_run_dir', 'wait_claimed', 'smoke_recipe', 'RunContext', 'Endpoint', 'EngineSession']
 
 # %% ../nbs/06_phase.ipynb #a32649f6
-import importlib, json, os, pkgutil, tempfile
+import importlib, json, os, pkgutil, tempfile, time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, get_args, get_origin
@@ -275,6 +275,21 @@ def claim_run_dir(
     return p
 
 
+def wait_claimed(
+    run_dir,  # the folder rank 0 claims
+    limit: float = 600.0,  # seconds: a limit for a hang (rank 0 died before claiming), not a wait
+) -> Path:
+    "On a torchrun rank > 0: `run_dir` once rank 0 has claimed it (its marker written), so no rank writes before"
+    from eagle3nb.recipe import read_marker
+
+    p, t0 = Path(run_dir), time.monotonic()
+    while read_marker(p).get('verb') != 'run':
+        if time.monotonic() - t0 > limit:
+            raise TimeoutError(f'{p}: rank 0 has not claimed the run folder in {limit:.0f} s; see rank 0\'s error')
+        time.sleep(0.05)
+    return p
+
+
 def _runner_record(p: Path) -> bool:
     "Does `p` hold a runner's run.json (a run folder of an eagle3nb that left no marker)?"
     try:
@@ -321,6 +336,8 @@ class RunContext:
         run_dir = Path(run_dir or tempfile.mkdtemp(prefix='e3nb-run-'))
         if int(os.environ.get('RANK', 0)) == 0:  # rank 0 claims it; the other ranks of a torchrun write beside it
             claim_run_dir(run_dir)
+        else:  # after the claim: a file another rank writes first would be refused as not eagle3nb's
+            wait_claimed(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         smoke = not recipe
         if smoke:
