@@ -91,9 +91,13 @@ docs: venv
 
 # pytest comes last so that its closing line is the last summary CI sees. Under `make test` a missing engine is a
 # failure in the notebooks' tests as in pytest's (verify, doctor's engine row), never a silent skip.
+# pytest runs on PYTEST_WORKERS processes (pytest-xdist), a test file to a worker, in the order tests/conftest.py gives
+# (the whole-run demo files first): most of the suite waits on one single-threaded engine or kernel at a time, so two
+# workers keep two cores busy. PYTEST_WORKERS=0 runs it in this one process.
+PYTEST_WORKERS ?= 2
 test: export EAGLE3NB_REQUIRE_ENGINE := 1
 test: venv engine check-format check-export nbtest docs
-	$(BIN)/pytest --durations=25 tests/
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscopereorder --durations=25 tests/
 
 clean:
 	rm -rf _proc _docs build *.egg-info

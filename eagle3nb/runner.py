@@ -308,6 +308,14 @@ def kernel_manager():  # -> a jupyter_client KernelManager class
             # for every kernel there (two torchrun ranks, two runs), and litters the repository
             self.ip = str(Path(tempfile.mkdtemp(prefix='e3nb-kernel-')) / 'kernel')
 
+        async def _async_interrupt_kernel(self):
+            # jupyter_client's shutdown sends SIGINT first, and an idle kernel logs it as an error ("KeyboardInterrupt
+            # caught in kernel") in every successful run; a finished notebook's kernel is idle, and the shutdown
+            # request alone ends it. A Ctrl-C still reaches a busy kernel: papermill calls `interrupt_kernel`
+            if self.shutting_down:
+                return
+            await super()._async_interrupt_kernel()
+
     return IpcKernelManager
 
 

@@ -23,3 +23,14 @@ def toy_server(kimi_tiny, tmp_path_factory):
 
     with LocalServer(kimi_tiny, log_path=tmp_path_factory.mktemp('serve') / 'server.log') as srv:
         yield srv
+
+
+# The files that each make a whole `eagle3nb run` (minutes each) go first, in this order: under `make test`'s two
+# pytest-xdist workers (--dist loadfile --no-loadscopereorder) each worker starts with two of them, about 20 minutes
+# apiece, and the short files fill in behind them. In one process (`pytest tests/`) they simply run first.
+WHOLE_RUNS = ['test_demo_kimi.py', 'test_demo_sglang.py', 'test_demo.py', 'test_fleet.py']
+
+
+def pytest_collection_modifyitems(session, config, items):
+    first = {name: i for i, name in enumerate(WHOLE_RUNS)}
+    items.sort(key=lambda item: first.get(item.path.name, len(WHOLE_RUNS)))  # stable: the rest keep their order

@@ -215,17 +215,20 @@ def _served_as_trained(r, df, log: Path):
     assert 'Using auxiliary layers' in log.read_text() or 'Eagle3' in log.read_text()
 
 
+# norm_before_fc alone, and EAGLE-3.1's pair (fc_norm + norm_output, as the Kimi demo's draft); fc_norm alone is the
+# demo's draft (tests/test_demo.py: served within 10% of offline). One engine server each.
 @needs_engine
-@pytest.mark.parametrize('flag', ['fc_norm', 'norm_before_fc', 'norm_output'])
-def test_verify_llama_flag_qwen3(flag, qwen3_engines, tmp_path):
-    "A Llama draft trained with one 3.1 flag loads in vLLM, greedy output is identical, served acceptance = offline"
+@pytest.mark.parametrize('flags', [('norm_before_fc',), ('fc_norm', 'norm_output')], ids=lambda f: '+'.join(f))
+def test_verify_llama_flag_qwen3(flags, qwen3_engines, tmp_path):
+    "A Llama draft trained with 3.1 flags loads in vLLM, greedy output is identical, served acceptance = offline"
     from eagle3nb.verify import verify, verify_rows
 
-    d, prompts, target = variant_export('qwen3-tiny', tmp_path, **{flag: True})
-    assert json.loads((d / 'config.json').read_text())[flag] is True
+    d, prompts, target = variant_export('qwen3-tiny', tmp_path, **{f: True for f in flags})
+    cfg = json.loads((d / 'config.json').read_text())
+    assert all(cfg[f] is True for f in flags), cfg
     r = verify(d, target, prompts, MAX_TOKENS, 3, engines=qwen3_engines, log_dir=tmp_path)
     df = verify_rows(r)
-    print(f'qwen3-tiny {flag}\n{df.to_string(index=False)}')
+    print(f"qwen3-tiny {'+'.join(flags)}\n{df.to_string(index=False)}")
     _served_as_trained(r, df, tmp_path / 'spec.log')
 
 

@@ -26,8 +26,7 @@ class Params(_Params):
     num_speculative_tokens: int = Field(3, description='k of the vLLM speculative server')
     max_k: int = Field(
         5,
-        description='recommend num_speculative_tokens up to this k (vLLM serves k 1 and this k, then the best and its '
-        'neighbours); 0 means no recommendation',
+        description='recommend num_speculative_tokens up to k: k = 1 and k served, then the best and neighbours; 0: none',
     )
 
     @field_validator('max_k')
@@ -169,13 +168,22 @@ def bench(ctx: RunContext, base, spec, engine, prompts: list, cs: list, max_toke
     return Record(**bench_record(df, **extra))
 
 # %% ../../nbs/96_phases/80_serve_bench.ipynb #8b195bd3
-def measure_k(ctx: RunContext, export: Path, k: int, prompts: list, max_tokens: int, py=None) -> dict:
-    "Serve `export` at `k`, send `prompts` at concurrency 1 and stop it: `servebench.k_measure`'s figures"
+def measure_k(
+    ctx: RunContext,
+    export: Path,
+    k: int,
+    prompts: list,
+    max_tokens: int,
+    py=None,  # the engine's python
+    ep=None,  # a server of `export` at `k` already up (the bench's); None: one started here
+) -> dict:
+    "Serve `export` at `k` (or measure `ep`), send `prompts` at concurrency 1 and stop it: `servebench.k_measure`'s"
     from eagle3nb.engine import counters_between, read_counters
     from eagle3nb.servebench import bench_endpoint, k_measure
 
-    mla = ctx.engines.kind == 'vllm' and mla_disable_for(ctx.target, export, py)
-    ep = ctx.engines.speculative(export, k, mla, python=py)
+    if ep is None:
+        mla = ctx.engines.kind == 'vllm' and mla_disable_for(ctx.target, export, py)
+        ep = ctx.engines.speculative(export, k, mla, python=py)
     try:
         bench_endpoint(ep.base_url, ep.model, prompts, 1, max_tokens)  # warm-up: a whole pass, then the one timed
         c0 = read_counters(ep)
@@ -185,11 +193,28 @@ def measure_k(ctx: RunContext, export: Path, k: int, prompts: list, max_tokens: 
         ctx.engines.stop(ep)
 
 
-def recommend(ctx: RunContext, export: Path, prompts: list, max_tokens: int, max_k: int, py=None) -> dict:
+def recommend(
+    ctx: RunContext,
+    export: Path,
+    prompts: list,
+    max_tokens: int,
+    max_k: int,
+    py=None,  # the engine's python
+    running: tuple = None,  # (k, Endpoint): a speculative server of `export` already up, measured first and stopped
+) -> dict:
     "Measure k = 1 and `max_k`, recommend k from the costs, then serve it and its neighbours to check the order"
     from eagle3nb.servebench import expected_accept, expected_tok_s, k_costs, order_agrees, recommend_k
 
-    runs = {k: measure_k(ctx, export, k, prompts, max_tokens, py) for k in (1, max_k)}
+    runs = {}
+    if running:
+        k0, ep = running
+        if 1 <= k0 <= max_k:
+            runs[k0] = measure_k(ctx, export, k0, prompts, max_tokens, py, ep=ep)
+        else:
+            ctx.engines.stop(ep)
+    for k in (1, max_k):
+        if k not in runs:
+            runs[k] = measure_k(ctx, export, k, prompts, max_tokens, py)
     if not (runs[1]['round_s'] and runs[max_k]['round_s']):
         return dict(k=None, why='the engine proposed no drafts: nothing to recommend from', runs=list(runs.values()))
     a, b = k_costs(runs[1], runs[max_k])
@@ -237,8 +262,7 @@ def run(ctx: RunContext, p: Params) -> Record:
     rec = bench(ctx, base, spec, engine, prompts, cs, p.max_tokens, export, k)
     if not engine or not p.max_k:
         return rec
-    ctx.engines.stop(spec)  # the recommendation's servers run alone
-    r = recommend(ctx, export, prompts, p.max_tokens, p.max_k, p.engine or None)
+    r = recommend(ctx, export, prompts, p.max_tokens, p.max_k, p.engine or None, running=(k, spec))
     if r['k']:  # the launch commands take the recommendation
         rec.launch = launch_commands(export, ctx.target, num_steps=r['k'], thinking=ctx.recipe.target.thinking)
     return rec.model_copy(update=dict(recommendation=r))
