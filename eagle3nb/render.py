@@ -1088,13 +1088,18 @@ _TOKS = {}
 
 
 def tokenizer_code(target_dir) -> str:
-    "The tokenizer class the target's own code provides (`auto_map` in tokenizer_config.json), '' when none"
-    try:
-        cfg = json.loads((Path(target_dir) / 'tokenizer_config.json').read_text())
-    except (OSError, ValueError):
-        return ''
-    ref = (cfg.get('auto_map') or {}).get('AutoTokenizer') or ''
-    return next((r for r in ref if r), '') if isinstance(ref, list) else ref
+    "The tokenizer class the target's own code provides, '' when none: `auto_map` in either file transformers reads"
+    for name in ('tokenizer_config.json', 'config.json'):  # AutoTokenizer looks in both, in this order
+        try:
+            cfg = json.loads((Path(target_dir) / name).read_text())
+        except (OSError, ValueError):
+            continue
+        auto = cfg.get('auto_map') if isinstance(cfg, dict) else None
+        ref = auto.get('AutoTokenizer') if isinstance(auto, dict) else None
+        ref = next((r for r in ref if r), '') if isinstance(ref, list) else ref
+        if ref:
+            return ref
+    return ''
 
 
 def load_tokenizer(
@@ -1108,7 +1113,7 @@ def load_tokenizer(
 
         if not trust_remote_code and (code := tokenizer_code(target_dir)):
             raise ValueError(
-                f"{target_dir} ships its own tokenizer code ({code}, in tokenizer_config.json's auto_map), and "
+                f"{target_dir} ships its own tokenizer code ({code}, in its auto_map), and "
                 "trust_remote_code is off: transformers would load another tokenizer in its place (for Kimi-K2.5, "
                 "one that declares the tools as JSON, not as the served model sees them); set "
                 "target.trust_remote_code: true in the recipe or pass --trust-remote-code"
