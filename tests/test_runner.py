@@ -23,7 +23,7 @@ def run_id():
     shutil.rmtree(ROOT / 'papermill_runs' / rid, ignore_errors=True)
 
 
-def recipe(tmp_path, **target):
+def recipe(tmp_path, wait: float = 120, **target):  # wait: target_check's limit for a server to answer
     p = tmp_path / 'recipe.yaml'
     p.write_text(
         json.dumps(
@@ -32,7 +32,7 @@ def recipe(tmp_path, **target):
                 target=target,
                 catalog=str(tmp_path / 'catalog.duckdb'),
                 data_root=str(tmp_path / 'data'),
-                phases=dict(target_check=dict(max_tokens=8, timeout=3)),
+                phases=dict(target_check=dict(max_tokens=8, timeout=wait)),
             )
         )
     )
@@ -88,7 +88,7 @@ def test_run_builds_toy_serves_checks_and_resumes(tmp_path, run_id):
 def test_run_stops_on_failure_names_cell_and_keeps_record(tmp_path, kimi_tiny, run_id):
     "Nothing listens at the endpoint: the phase fails, the error names the cell and the cause, a rerun sets the record aside"
     url = f'http://127.0.0.1:{free_port()}/v1'
-    r = recipe(tmp_path, model=str(kimi_tiny), endpoints=[url], served_name='kimi')
+    r = recipe(tmp_path, wait=3, model=str(kimi_tiny), endpoints=[url], served_name='kimi')  # waits 3 s, not 120
     p = eagle3nb('run', r, '--run-id', run_id)
     assert p.returncode == 1
     err = p.stderr
@@ -143,7 +143,7 @@ def test_prompt_only_recipe_through_generate(tmp_path, kimi_tiny, toy_server, ru
                         path=str(ROOT / 'tests' / 'fixtures' / 'datasets' / 'alpaca_en_demo.sample.json'),
                     )
                 ],
-                phases=dict(target_check=dict(max_tokens=8, timeout=3), generate=dict(max_new_tokens=8)),
+                phases=dict(target_check=dict(max_tokens=8, timeout=120), generate=dict(max_new_tokens=8)),
             )
         )
     )
