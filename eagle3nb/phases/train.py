@@ -59,6 +59,15 @@ class Params(_Params):
         "the target's own, else 128); empty means a llama layer",
     )
 
+    @field_validator('mode')
+    @classmethod
+    def _mode(cls, v: str) -> str:
+        from eagle3nb.store import MODES
+
+        if v and v not in MODES:
+            raise ValueError(f"{v!r} is no store: give one of {', '.join(MODES)}, or leave it empty (whichever exists)")
+        return v
+
     @field_validator('draft')
     @classmethod
     def _draft_block(cls, d: dict) -> dict:
@@ -138,6 +147,11 @@ def store_inputs(ctx: RunContext, mode: str = '') -> Inputs | str:  # the inputs
 
     root = ctx.data_root
     found = [m for m in ((mode,) if mode else MODES) if shard_files(root / 'hidden' / m / 'train')]
+    if mode and not found:  # the store asked for by name: its absence is an error, not a skip
+        raise FileNotFoundError(
+            f"no {mode} store in {root}/hidden/{mode}/train: extract it (phases.extract.modes: {mode}), "
+            "or leave phases.train.mode empty to train on whichever store exists"
+        )
     if not found:
         where = mode or '{' + ','.join(MODES) + '}'
         return f'no extracted hidden states in {root}/hidden/{where}/train: run the extract phase first'
