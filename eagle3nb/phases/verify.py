@@ -153,7 +153,12 @@ def run(ctx: RunContext, p: Params) -> Record:
     )
     urls = dict(baseline_url=p.baseline or None, speculative_url=p.speculative or None)
     if not p.speculative and not ctx.engines.available(p.engine or None):
-        return no_engine().model_copy(update=dict(min_accept=p.min_accept))  # the goal stated, not checked
+        if p.min_accept:  # a goal the run cannot check is not met by skipping it
+            raise EngineNotFound(
+                f'phases.verify.min_accept {p.min_accept:g}: a goal for the served accept length, and {NO_ENGINE}; '
+                'or give serving.draft URLs, or drop min_accept'
+            )
+        return no_engine()
     export, prompts, names = inputs(ctx, p)
     if export is None:
         return Record(skipped=prompts, min_accept=p.min_accept)
