@@ -12,7 +12,7 @@ __all__ = ['SGLANG_LIMITS', 'FIX', 'PROBE_TOOLS', 'request_message', 'tokenize_b
 import json
 from pathlib import Path
 import httpx
-from .server import post_json
+from .server import ServerNotReady, post_json
 from .engine import server_root
 from .schema import conversation, from_record, message, to_record, tool_call
 from .render import render_conversations, template_messages
@@ -85,7 +85,7 @@ def engine_ask(
     api_key: str = None,  # bearer token, for an engine that checks one
     timeout: float = 60,  # seconds per request
 ):  # body -> dict(tokens, token_strs); `.limits`: what it does not take as sent (`engine_limits`)
-    "The engine at `url` as a function: a `/tokenize` body in, the ids it renders out; `NotChecked` if it cannot"
+    "The engine at `url` as a function: a `/tokenize` body in, its ids out; `NotChecked` if it has no such route"
     u = server_root(url) + '/tokenize'
 
     def ask(body: dict) -> dict:
@@ -94,7 +94,10 @@ def engine_ask(
         except httpx.HTTPStatusError as e:
             raise _not_checked(u, e) or e from None
         except httpx.TransportError as e:
-            raise NotChecked(f"{u}: no answer ({type(e).__name__}: {e})") from None
+            # nothing answers: the URL is wrong or the engine is down, which a skip would hide
+            raise ServerNotReady(
+                f"{u}: no answer ({type(e).__name__}: {e}); start the engine, or fix the URL"
+            ) from None
         ids = js.get('tokens') if isinstance(js, dict) else None
         if not isinstance(ids, list) or not all(type(t) is int for t in ids):
             raise NotChecked(f"{u} answered without a list of token ids: not vLLM's or SGLang's /tokenize")
