@@ -374,6 +374,8 @@ def _phase(a):
     given = {k: v for k, v in vars(a.given).items() if k in ph.Params.model_fields}
     p = ph.Params(**{**r.phases.get(ph.key, {}), **given})
     run_dir = Path(a.run_dir) if a.run_dir else _verb_run_dir(r)
+    if ph.key == 'plan' and p.out and not a.run_dir:  # `plan R --out DIR`: its record beside the plans, nowhere else
+        run_dir = Path(p.out)  # (the recipe's data_root is often on another machine than the one that plans)
     if a.no_progress:
         os.environ['TQDM_DISABLE'] = '1'  # tqdm reads it in every bar, ours and the libraries'
     trc = True if getattr(a, 'trust_remote_code', False) else None  # else the recipe's own

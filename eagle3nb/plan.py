@@ -77,7 +77,7 @@ class PlanParams(Params):
     )
     spec_accept: float = Field(0.0, ge=0, description="that draft's accept length (0: none)")
     version: int = Field(
-        0, ge=0, description='the first plan version to write (5 after your train_plan_v4.md); 0: next'
+        0, ge=0, description='the plan version to write when no later one is there (your own numbering); 0: next'
     )
     run_id: str = Field('', description='papermill_runs/<run_id>/ in the commands; empty means <recipe>-v<N>')
 

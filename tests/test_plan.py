@@ -141,12 +141,12 @@ def test_kimi_plan_without_data(tmp_path, monkeypatch, capsys):
     path = plan_cli(str(kimi), out=str(tmp_path))
     out = capsys.readouterr().out
     md = path.read_text()
-    # the user's numbering goes on after their train_plan_v4.md
+    # the user's numbering: this run's plan is their train_plan_v4.md
     assert (
-        f'wrote {path}' in out and path.name == 'train_plan_v5.md' and '# Train plan v5: kimi-k2.5-agentic-100k' in md
+        f'wrote {path}' in out and path.name == 'train_plan_v4.md' and '# Train plan v4: kimi-k2.5-agentic-100k' in md
     )
     assert '= **21504** inputs' in md and 'Aux layers [2, 30, 58]' in md and '-> 21,504 = 3 x 7168' in md
-    f = plan_facts(r, version=5)
+    f = plan_facts(r, version=4)
     ds = f['datasets']
     # 10 datasets of 2K-15K, 100K in all, agentic-heavy; the plan shows the mix by category
     assert len(ds) == 10 and all(2_000 <= x['count'] <= 15_000 for x in ds) and sum(x['count'] for x in ds) == 100_000
@@ -255,9 +255,9 @@ def test_kimi_plan_without_data(tmp_path, monkeypatch, capsys):
 def test_rates_per_server_or_fleet():
     "A stated rate is one server's or the fleet's, as the recipe says: the hours follow, and the plan shows the sum"
     r = load_recipe(KIMI)
-    fleet = plan_facts(r, version=5)  # the recipe: the user's 2,370 tok/s and 1.48 samples/s were the fleet's
+    fleet = plan_facts(r, version=4)  # the recipe: the user's 2,370 tok/s and 1.48 samples/s were the fleet's
     r.phases['plan'].update(gen_tok_s_per='server', extract_samples_s_per='server')
-    per = plan_facts(r, version=5)
+    per = plan_facts(r, version=4)
     g, e = fleet['generation'], fleet['extract']
     assert (
         abs(per['generation']['seconds'] - g['seconds'] / 4) < 1
@@ -272,10 +272,10 @@ def test_rates_per_server_or_fleet():
     assert abs(gh(per)['generate'] - gh(fleet)['generate'] / 4) < 1e-6  # 32 GPUs for a quarter of the hours
     r.phases['plan']['gen_tok_s_per'] = 'node'
     with pytest.raises(RecipeError, match="one server's"):
-        plan_facts(r, version=5)
+        plan_facts(r, version=4)
     r.phases['plan'].update(gen_tok_s_per='fleet', gpus_per_target=4)  # the servers' GPUs said twice, differently
     with pytest.raises(RecipeError, match='say it once'):
-        plan_facts(r, version=5)
+        plan_facts(r, version=4)
 
 
 def test_plan_verb_on_the_kimi_recipe(tmp_path):
@@ -286,9 +286,9 @@ def test_plan_verb_on_the_kimi_recipe(tmp_path):
     d['catalog'] = str(tmp_path / 'no' / 'catalog.duckdb')
     kimi = tmp_path / KIMI.name
     kimi.write_text(yaml.safe_dump(d, sort_keys=False))
-    main(['plan', str(kimi), '--run-dir', str(tmp_path / 'run'), '--no-progress'])  # phases.plan.version: 5
-    md = (tmp_path / 'run' / 'train_plan_v5.md').read_text()
-    tokens = plan_facts(load_recipe(kimi), version=5)['hidden']['tokens']
+    main(['plan', str(kimi), '--run-dir', str(tmp_path / 'run'), '--no-progress'])  # phases.plan.version: 4
+    md = (tmp_path / 'run' / 'train_plan_v4.md').read_text()
+    tokens = plan_facts(load_recipe(kimi), version=4)['hidden']['tokens']
     for m in ('bf16', 'compact', 'nf4'):
         bpt = bytes_per_token(m, 7168, 3, 64, 32000)
         assert f'| {m} | ' in md and f'| {bpt:,} | {tokens * bpt / 1e12:.1f} TB |' in md, m
@@ -345,3 +345,20 @@ def test_phase_parameters_are_the_plan_params():
     ps = pm.inspect_notebook(str(ROOT / 'nbs' / 'phases' / '90_plan.ipynb'))
     assert {k: eval(v['default']) for k, v in ps.items() if k not in ('recipe', 'run_dir')} == Params.defaults()
     assert {k: v for k, v in Params.defaults().items() if k != 'out'} == PlanParams.defaults()
+
+
+def test_plan_out_writes_there_and_nowhere_else(tmp_path):
+    "`eagle3nb plan RECIPE --out DIR`: the plan and its record in DIR; nothing under the recipe's data_root"
+    from eagle3nb.cli import main
+
+    d = yaml.safe_load(KIMI.read_text())
+    d['catalog'] = str(tmp_path / 'no' / 'catalog.duckdb')
+    d['data_root'] = str(tmp_path / 'elsewhere' / 'data')  # the recipe's data root: on another machine
+    kimi = tmp_path / KIMI.name
+    kimi.write_text(yaml.safe_dump(d, sort_keys=False))
+    main(['plan', str(kimi), '--out', str(tmp_path / 'plans'), '--no-progress'])
+    assert sorted(p.name for p in (tmp_path / 'plans').iterdir() if not p.name.startswith('.')) == [
+        'plan.json',
+        'train_plan_v4.md',
+    ]
+    assert not (tmp_path / 'elsewhere').exists()
