@@ -327,8 +327,9 @@ CHECKPOINT_RULES = ('best', 'latest', 'step_N')
 
 
 def checkpoint_steps(run_dir) -> dict:  # step -> checkpoint folder
-    "The checkpoints of a run folder, by step"
-    return {int(p.name.split('_')[1]): p for p in (Path(run_dir) / 'checkpoints').glob('step_*') if p.is_dir()}
+    "The checkpoints of a run folder, by step (`step_N`, N digits only: a user's `step_40.bak` is not one)"
+    ds = (Path(run_dir) / 'checkpoints').glob('step_*')
+    return {int(p.name[5:]): p for p in ds if p.is_dir() and p.name[5:].isdigit()}
 
 
 def eval_accepts(run_dir) -> dict:  # step -> eval accept length (simulated greedy chain)

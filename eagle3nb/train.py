@@ -6,8 +6,8 @@
 __all__ = ['target_dist', 'aux_states', 'collate', 'shift', 'step_targets', 'ttt_mask', 'TTT', 'ttt_loss', 'summarize',
            'add_sums', 'accept_estimate', 'chain_hits', 'accept_lengths', 'evaluate', 'TrainConfig', 'lr_factor',
            'batch_indices', 'epoch_order', 'next_batch', 'cursor_at', 'save_checkpoint', 'latest_checkpoint',
-           'load_checkpoint', 'dist_setup', 'Stopped', 'load_sharded_checkpoint', 'train', 'read_metrics',
-           'toy_samples', 'plot_metrics', 'target_tensors']
+           'CheckpointError', 'load_checkpoint', 'dist_setup', 'Stopped', 'load_sharded_checkpoint', 'train',
+           'read_metrics', 'toy_samples', 'plot_metrics', 'target_tensors']
 
 # %% ../nbs/61_train.ipynb #040f6913
 import copy, json, math, os, random, shutil, time
@@ -325,9 +325,59 @@ def save_checkpoint(
 
 
 def latest_checkpoint(run_dir) -> Path | None:
-    "The checkpoint folder with the highest step, or None"
-    ds = [p for p in (Path(run_dir) / 'checkpoints').glob('step_*') if p.is_dir()]
-    return max(ds, key=lambda p: int(p.name.split('_')[1])) if ds else None
+    "The checkpoint folder with the highest step (`step_N`, N digits only: a user's `step_40.bak` is not one), or None"
+    ds = [p for p in (Path(run_dir) / 'checkpoints').glob('step_*') if p.is_dir() and p.name[5:].isdigit()]
+    return max(ds, key=lambda p: int(p.name[5:])) if ds else None
+
+
+class CheckpointError(ValueError):
+    "A checkpoint this run cannot resume from; the message names it and what to do"
+
+
+def _read_state(d: Path) -> dict:
+    "`d/train_state.pt`, checked: the step, epoch, cursor and world a resume reads"
+    try:
+        st = torch.load(d / 'train_state.pt', weights_only=False)
+    except Exception as e:  # truncated, not a torch file, not there: torch's and pickle's many errors
+        raise CheckpointError(
+            f"{d / 'train_state.pt'} cannot be read ({type(e).__name__}: {str(e)[:120]}): the checkpoint is damaged; "
+            f"move {d} aside to resume from the one before it"
+        ) from None
+    cur = st.get('cursor') if isinstance(st, dict) else None
+    ok = (
+        isinstance(st, dict)
+        and all(k in st for k in ('optimizer', 'scheduler', 'step', 'rng', 'py_rng'))
+        and type(st['step']) is int
+        and type(st.get('epoch', 0)) is int
+        and type(st.get('world') or 1) is int
+        and (cur is None or (isinstance(cur, (list, tuple)) and len(cur) == 2 and all(type(x) is int for x in cur)))
+    )
+    if not ok:
+        raise CheckpointError(
+            f"{d / 'train_state.pt'} is not a train state this version writes (step, epoch, cursor [epoch, position], "
+            f"world, optimizer, scheduler, RNG): move {d} aside to resume from the one before it"
+        )
+    return st
+
+
+def _load_weights(d: Path, draft: Eagle3Draft):
+    "The checkpoint's weights into `draft`; one line when they are damaged or another draft's"
+    try:
+        sd = load_file(str(d / 'model.safetensors'), device=str(draft.fc.weight.device))
+    except Exception as e:
+        raise CheckpointError(
+            f"{d / 'model.safetensors'} cannot be read ({type(e).__name__}: {str(e)[:120]}): the checkpoint is "
+            f"damaged; move {d} aside to resume from the one before it"
+        ) from None
+    try:
+        draft.load_state_dict(sd)
+    except RuntimeError as e:
+        why = ' '.join(str(e).split())[:200]
+        raise CheckpointError(
+            f"{d} holds another draft than this run builds ({why}): another draft family (phases.train.draft) or "
+            "another vocabulary (the vocab phase) than when it was written; train in a new run folder, or keep the "
+            "draft and vocabulary it was written with"
+        ) from None
 
 
 def _sharded_state(st: dict) -> bool:
@@ -337,8 +387,8 @@ def _sharded_state(st: dict) -> bool:
 
 def load_checkpoint(d, draft: Eagle3Draft, opt=None, sched=None) -> dict:
     "Restore the draft (and optimizer, scheduler, RNG); return the train state"
-    draft.load_state_dict(load_file(str(Path(d) / 'model.safetensors'), device=str(draft.fc.weight.device)))
-    st = torch.load(Path(d) / 'train_state.pt', weights_only=False)
+    st = _read_state(Path(d))
+    _load_weights(Path(d), draft)
     if opt is not None and _sharded_state(st):
         raise ValueError(
             f"{d} was written by an FSDP run (train(..., fsdp=True) under torchrun); resume it the same way"
@@ -389,7 +439,7 @@ def load_sharded_checkpoint(d, net: nn.Module, opt, sched, ref: Eagle3Draft = No
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict, StateDictOptions
 
     sd = load_file(str(Path(d) / 'model.safetensors'))
-    st = torch.load(Path(d) / 'train_state.pt', weights_only=False)
+    st = _read_state(Path(d))
     if not _sharded_state(st):
         raise ValueError(f"{d} was written by a single-process or DDP run; resume it without fsdp=True")
     full = StateDictOptions(full_state_dict=True)
