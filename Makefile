@@ -97,7 +97,7 @@ docs: venv
 PYTEST_WORKERS ?= 2
 test: export EAGLE3NB_REQUIRE_ENGINE := 1
 test: venv engine check-format check-export nbtest docs
-	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscopereorder --durations=25 tests/
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests/
 
 clean:
 	rm -rf _proc _docs build *.egg-info
