@@ -6,8 +6,8 @@
 __all__ = ['target_dist', 'aux_states', 'collate', 'shift', 'step_targets', 'ttt_mask', 'TTT', 'ttt_loss', 'summarize',
            'add_sums', 'accept_estimate', 'chain_hits', 'accept_lengths', 'evaluate', 'TrainConfig', 'lr_factor',
            'batch_indices', 'epoch_order', 'next_batch', 'cursor_at', 'save_checkpoint', 'latest_checkpoint',
-           'CheckpointError', 'load_checkpoint', 'dist_setup', 'Stopped', 'load_sharded_checkpoint', 'train',
-           'read_metrics', 'toy_samples', 'plot_metrics', 'target_tensors']
+           'CheckpointError', 'load_checkpoint', 'dist_setup', 'Stopped', 'load_sharded_checkpoint', 'Diverged',
+           'check_finite', 'train', 'read_metrics', 'toy_samples', 'plot_metrics', 'target_tensors']
 
 # %% ../nbs/61_train.ipynb #040f6913
 import copy, json, math, os, random, shutil, time
@@ -452,6 +452,22 @@ def load_sharded_checkpoint(d, net: nn.Module, opt, sched, ref: Eagle3Draft = No
         ref.load_state_dict(sd)  # rank 0's plain copy, for evaluation and the next checkpoint
     return st
 
+# %% ../nbs/61_train.ipynb #07e3229f
+class Diverged(FloatingPointError):
+    "The draft's weights went non-finite: the run stops before saving them; the message says what is kept"
+
+
+def check_finite(draft: nn.Module, step: int, run_dir):
+    "`Diverged` unless every weight of `draft` is finite (called before each checkpoint is written)"
+    bad = [k for k, v in draft.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        last = latest_checkpoint(run_dir)
+        kept = f'the last checkpoint, {last.name}, is kept' if last else 'no checkpoint was written'
+        raise Diverged(
+            f"step {step}: the draft's weights are not finite ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}): "
+            f"nothing saved, {kept}; lower phases.train.lr, or check the store's values (store.validate)"
+        )
+
 # %% ../nbs/61_train.ipynb #b52f0e0e
 def train(
     draft: Eagle3Draft,  # a draft from `new_draft` (its init is the run's init)
@@ -573,6 +589,7 @@ def train(
             ).items():
                 _log(metrics, dict(split='eval', dataset=name, step=step, **m))
         if rank == 0 and do_ckpt:
+            check_finite(view, step, run_dir)  # a diverged draft is never saved over the last good checkpoint
             ck = save_checkpoint(run_dir, step, view, o, sched, cfg, epoch, cursor, world)
             t1 = time.time()
             if on_checkpoint is not None and (m := on_checkpoint(step, ck)):  # e.g. the engine serves it
