@@ -1329,6 +1329,7 @@ def check_render_parity(
     "Our rendered prompts token-equal with the engine's own render of the same conversations"
     from eagle3nb.parity import FIX, check_parity, engine_ask, parity_line, probe_conversations
     from eagle3nb.render import render_conversations
+    from eagle3nb.server import ServerNotReady
 
     n = 'render_parity'
     if not engine_url:
@@ -1340,7 +1341,10 @@ def check_render_parity(
     if not rows:
         convs, what = probe_conversations(), 'built-in probes'
         rows = render_conversations(convs, x.tokenizer, thinking)
-    res = check_parity(engine_ask(engine_url, api_key), convs, rows, x.tokenizer, thinking)
+    try:
+        res = check_parity(engine_ask(engine_url, api_key), convs, rows, x.tokenizer, thinking)
+    except ServerNotReady as e:  # asked, and nothing answers there: a failed check, not a skipped one
+        return [finding(n, 'FAIL', str(e))]
     st = dict(equal='ok', mismatch='FAIL').get(res['status'], 'n/a')
     return [
         finding(
