@@ -511,4 +511,5 @@ CPU_FLAGS = (
     '--max-total-tokens', '4096',
     '--mem-fraction-static', '0.1',
     '--enable-metrics',
+    '--sleep-on-idle',
 )  # fmt: skip
