@@ -9,8 +9,8 @@ ROOT = Path(__file__).resolve().parent.parent
 EAGLE3NB = str(Path(sys.executable).parent / 'eagle3nb')
 
 
-def eagle3nb(*args, env=None, timeout=300):
-    "Run the CLI from the repository root, as the README does"
+def eagle3nb(*args, env=None, timeout=1200):
+    "Run the CLI from the repository root, as the README does; `timeout`: a limit for a hang, not a budget"
     e = {**os.environ, 'OMP_NUM_THREADS': '1', **(env or {})}
     return subprocess.run([EAGLE3NB, *map(str, args)], cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
 
