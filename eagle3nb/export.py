@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['FLAGS', 'MLA_KEYS', 'ARCH_NAMES', 'FLAG_TENSORS', 'CHECKPOINT_RULES', 'SGLANG_READS_FLAGS', 'PARSERS', 'ExportError',
            'read_checkpoint', 'engine_aux_ids', 'export_config', 'flag_mismatches', 'export_tensors', 'training_record',
-           'export_draft', 'check_export', 'run_defaults', 'checkpoint_steps', 'eval_accepts', 'choose_checkpoint',
-           'sglang_problem', 'target_flags', 'launch_commands', 'write_launch_scripts', 'random_checkpoint']
+           'export_draft', 'check_export', 'run_defaults', 'eval_accepts', 'choose_checkpoint', 'sglang_problem',
+           'target_flags', 'launch_commands', 'write_launch_scripts', 'random_checkpoint']
 
 # %% ../nbs/70_export.ipynb #8b5e693a
 import json, os, shlex, shutil
@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from .recipe import Launch, default_aux_layers, check_aux_layers, RecipeError
 from .target import target_config, target_family
 from .draft import new_draft
-from .train import save_checkpoint, TrainConfig, latest_checkpoint, read_metrics
+from .train import save_checkpoint, TrainConfig, checkpoint_steps, latest_checkpoint, read_metrics
 from .vocab import vocab_maps
 
 # %% ../nbs/70_export.ipynb #1a3374a6
@@ -324,12 +324,6 @@ def run_defaults(checkpoint_dir) -> dict:  # {'target', 'data_root', 'trust_remo
 
 # %% ../nbs/70_export.ipynb #c8f17bc7
 CHECKPOINT_RULES = ('best', 'latest', 'step_N')
-
-
-def checkpoint_steps(run_dir) -> dict:  # step -> checkpoint folder
-    "The checkpoints of a run folder, by step (`step_N`, N digits only: a user's `step_40.bak` is not one)"
-    ds = (Path(run_dir) / 'checkpoints').glob('step_*')
-    return {int(p.name[5:]): p for p in ds if p.is_dir() and p.name[5:].isdigit()}
 
 
 def eval_accepts(run_dir) -> dict:  # step -> eval accept length (simulated greedy chain)

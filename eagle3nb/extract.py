@@ -8,7 +8,7 @@ __all__ = ['MIN_FREE_GB', 'SPLITS', 'load_target', 'target_id', 'weight_layers',
            'rank_world', 'mine', 'sample_tensors', 'plan_modes', 'finish_stats', 'ModelSource', 'extract_pass',
            'extract_modes', 'extract', 'flush_all', 'ExtractionStopped', 'stop_message', 'load_d2t', 'corpus_splits',
            'stats_row', 'check_request', 'target_built', 'extraction_request', 'store_dirs', 'split_rows', 'split_stop',
-           'extract_splits', 'store_lock', 'extract_recipe']
+           'extract_splits', 'extract_recipe']
 
 # %% ../nbs/50_extract.ipynb #be6f945d
 import hashlib, json, os, re, time, zlib
@@ -17,6 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 import torch
 from .recipe import Recipe, default_aux_layers, check_aux_layers, load_recipe
+from .server import hold_lock
 from .target import load_model, text_config
 from . import store as _store
 from eagle3nb.store import (
@@ -764,19 +765,6 @@ def extract_splits(
             break  # the next split needs the same disk
     return sorted(rows, key=lambda x: req['modes'].index(x['mode']))  # mode by mode
 
-# %% ../nbs/50_extract.ipynb #ddd89bec
-def store_lock(
-    root,  # the data root whose hidden/ stores an extraction writes
-    rank: int = 0,  # a torchrun's rank: rank 0 holds it, the others are its partners
-):  # a context manager
-    "Rank 0's exclusive hold on the data root's stores: two extractions at once would put samples in two shards each"
-    from contextlib import nullcontext
-    from eagle3nb.server import hold_lock
-
-    if rank != 0:
-        return nullcontext()
-    return hold_lock(Path(root) / 'hidden' / '.extract.lock', f'the hidden-state stores of {root}')
-
 # %% ../nbs/50_extract.ipynb #c226c045
 def extract_recipe(
     recipe,  # recipe YAML path or resolved `Recipe`
@@ -811,5 +799,6 @@ def extract_recipe(
         min_free_gb=min_free_gb,
     )
     run_split = lambda ds, outs: extract_modes(model, ds, outs, **kw)  # every mode of a split from one forward a batch
-    with store_lock(req['root'], rank):  # a second extraction of this data root is refused, not interleaved
+    lock = Path(req['root']) / 'hidden' / '.extract.lock'  # a second extraction of this root is refused
+    with hold_lock(lock, f"the hidden-state stores of {req['root']}", rank):
         return extract_splits(req, run_split, f'rank {rank}', log, check=world == 1)

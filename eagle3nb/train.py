@@ -5,9 +5,10 @@
 # %% auto #0
 __all__ = ['target_dist', 'aux_states', 'collate', 'shift', 'step_targets', 'ttt_mask', 'TTT', 'ttt_loss', 'summarize',
            'add_sums', 'accept_estimate', 'chain_hits', 'accept_lengths', 'evaluate', 'TrainConfig', 'lr_factor',
-           'batch_indices', 'epoch_order', 'next_batch', 'cursor_at', 'save_checkpoint', 'latest_checkpoint',
-           'CheckpointError', 'load_checkpoint', 'dist_setup', 'Stopped', 'load_sharded_checkpoint', 'Diverged',
-           'check_finite', 'train', 'read_metrics', 'toy_samples', 'plot_metrics', 'target_tensors']
+           'batch_indices', 'epoch_order', 'next_batch', 'cursor_at', 'save_checkpoint', 'checkpoint_steps',
+           'latest_checkpoint', 'CheckpointError', 'load_checkpoint', 'dist_setup', 'Stopped',
+           'load_sharded_checkpoint', 'Diverged', 'check_finite', 'train', 'read_metrics', 'toy_samples',
+           'plot_metrics', 'target_tensors']
 
 # %% ../nbs/61_train.ipynb #040f6913
 import copy, json, math, os, random, shutil, time
@@ -324,10 +325,16 @@ def save_checkpoint(
     return d
 
 
+def checkpoint_steps(run_dir) -> dict:  # step -> checkpoint folder
+    "The checkpoints of a run folder, by step (`step_N`, N digits only: a user's `step_40.bak` is not one)"
+    ds = (Path(run_dir) / 'checkpoints').glob('step_*')
+    return {int(p.name[5:]): p for p in ds if p.is_dir() and p.name[5:].isdigit()}
+
+
 def latest_checkpoint(run_dir) -> Path | None:
-    "The checkpoint folder with the highest step (`step_N`, N digits only: a user's `step_40.bak` is not one), or None"
-    ds = [p for p in (Path(run_dir) / 'checkpoints').glob('step_*') if p.is_dir() and p.name[5:].isdigit()]
-    return max(ds, key=lambda p: int(p.name[5:])) if ds else None
+    "The checkpoint folder with the highest step, or None"
+    steps = checkpoint_steps(run_dir)
+    return steps[max(steps)] if steps else None
 
 
 class CheckpointError(ValueError):

@@ -123,7 +123,8 @@ def config_keys(rec: Record) -> dict:
 def choice_table(ctx: RunContext, rec: Record):  # a DataFrame: step, eval accept length, taken
     "Every checkpoint of the run with its eval accept length, the one exported marked; the rule and why as caption"
     import pandas as pd
-    from eagle3nb.export import checkpoint_steps, eval_accepts
+    from eagle3nb.export import eval_accepts
+    from eagle3nb.train import checkpoint_steps
 
     acc = eval_accepts(ctx.run_dir)
     steps = sorted(checkpoint_steps(ctx.run_dir))

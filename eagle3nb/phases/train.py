@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['ZERO_MEANS', 'Params', 'train_config', 'Inputs', 'smoke_inputs', 'check_stores', 'dataset_map', 'store_inputs',
-           'toy_store', 'accept_rows', 'Record', 'served_prompts', 'served_eval', 'plot_accept', 'train_lock', 'run']
+           'toy_store', 'accept_rows', 'Record', 'served_prompts', 'served_eval', 'plot_accept', 'run']
 
 # %% ../../nbs/96_phases/60_train.ipynb #f4f12577
 import json, math, time
@@ -306,16 +306,6 @@ def plot_accept(ms: list, ax=None):  # `read_metrics(run_dir)`; the matplotlib A
     ax.legend()
     return ax
 
-# %% ../../nbs/96_phases/60_train.ipynb #b2995dd9
-def train_lock(ctx: RunContext):  # a context manager
-    "Rank 0's exclusive hold on `ctx.run_dir` for training (`server.hold_lock`); nothing on the other ranks"
-    from contextlib import nullcontext
-    from eagle3nb.server import hold_lock
-
-    if ctx.rank != 0:
-        return nullcontext()
-    return hold_lock(Path(ctx.run_dir) / '.train.lock', f'the training run folder {ctx.run_dir}')
-
 # %% ../../nbs/96_phases/60_train.ipynb #5e8f4a34
 _FAMILY = ('arch', 'fc_norm', 'norm_before_fc', 'norm_output', 'rope_scaling')
 
@@ -324,6 +314,7 @@ _FAMILY = ('arch', 'fc_norm', 'norm_before_fc', 'norm_output', 'rope_scaling')
 def run(ctx: RunContext, p: Params) -> Record:
     "Train the draft on the run's inputs (resuming from `run_dir`'s last checkpoint); the accept table before and after"
     from eagle3nb.draft import new_draft
+    from eagle3nb.server import hold_lock
     from eagle3nb.train import evaluate, latest_checkpoint, read_metrics, train
 
     say = print if ctx.rank == 0 else (lambda *a: None)
@@ -346,7 +337,8 @@ def run(ctx: RunContext, p: Params) -> Record:
     if isinstance(hook, str):
         say(f'served_eval_every {p.served_eval_every}: nothing served: {hook}')
     kw['on_checkpoint'] = hook if callable(hook) else None
-    with train_lock(ctx):  # a second trainer on this folder is refused, not interleaved with this one
+    lock = Path(ctx.run_dir) / '.train.lock'  # a second trainer on this folder is refused, not interleaved
+    with hold_lock(lock, f'the training run folder {ctx.run_dir}', ctx.rank):
         train(draft, inp.train, ctx.run_dir, cfg, **kw)
     secs, n_par = time.time() - t0, sum(t.numel() for t in draft.parameters() if t.requires_grad)
     last = [m for m in read_metrics(ctx.run_dir) if m['split'] == 'train' and m.get('tokens')][-1:]
