@@ -18,6 +18,7 @@ import pandas as pd
 import pyarrow as pa
 import tenacity
 from .recipe import retrying
+from .recipe import InputError, UserError
 
 # %% ../nbs/01_catalog.ipynb #d280f806
 SCHEMA_VERSION = 1  # bump with a migration in `_ensure_schema` when a table changes
@@ -57,7 +58,7 @@ def describe_pid(pid: int) -> str:
     return f'PID {pid}, {what}: {cmd[:200]}'
 
 # %% ../nbs/01_catalog.ipynb #db26f105
-class CatalogLocked(RuntimeError):
+class CatalogLocked(UserError, RuntimeError):
     "Another process holds the catalog's DuckDB lock for longer than we waited"
 
     def __init__(self, path, pid: int | None, read_only: bool, waited: float, holder_read_only: bool = False):
@@ -78,7 +79,7 @@ class CatalogLocked(RuntimeError):
         )
 
 # %% ../nbs/01_catalog.ipynb #91936f65
-class CatalogUnreadable(ValueError):
+class CatalogUnreadable(InputError):
     "A `catalog:` path that holds no DuckDB database: a folder, or a file of another kind"
 
 
@@ -174,9 +175,9 @@ def _check_version(con, path):
     except duckdb.CatalogException:
         v = []  # new work while a result is unread
     if not v:
-        raise ValueError(f"{path} is not an eagle3nb catalog (no meta.schema_version)")
+        raise InputError(f"{path} is not an eagle3nb catalog (no meta.schema_version)")
     if int(v[0][0]) > SCHEMA_VERSION:
-        raise ValueError(
+        raise InputError(
             f"{path} has catalog schema {v[0][0]}, newer than this eagle3nb's {SCHEMA_VERSION}; upgrade eagle3nb"
         )
 
@@ -261,10 +262,10 @@ def _check_columns(t: pa.Table):
     "Unknown or missing sample columns, named"
     unknown = [c for c in t.column_names if c not in SAMPLE_COLUMNS]
     if unknown:
-        raise ValueError(f"unknown sample columns {unknown}; the samples table has {list(SAMPLE_COLUMNS)}")
+        raise InputError(f"unknown sample columns {unknown}; the samples table has {list(SAMPLE_COLUMNS)}")
     missing = [c for c in ('sample_id', 'dataset') if c not in t.column_names]
     if missing:
-        raise ValueError(f"sample rows need {missing}")
+        raise InputError(f"sample rows need {missing}")
 
 # %% ../nbs/01_catalog.ipynb #444aef46
 _MOVES = ('kind', 'prompt_tokens', 'completion_tokens', 'total_tokens')  # a change here may move a sample's partition
@@ -312,7 +313,7 @@ def upsert_samples(
             'SELECT sample_id, count(*) FROM _rows GROUP BY 1 HAVING count(*) > 1 ORDER BY 1 LIMIT 3'
         ).fetchall()
         if dup:
-            raise ValueError(
+            raise InputError(
                 f"sample_id repeated within one batch: {dup} (sample_id, count); ids must be unique per sample"
             )
         con.execute(_upsert_sql(t.column_names))
@@ -343,11 +344,11 @@ GROUP BY p.partition, p.ord, p.ctx, p.concurrency ORDER BY p.ord"""
 def _check_partition_args(max_ctx, max_new_tokens, long_ctx, c_main, c_long):
     "Errors that name the bad parameter"
     if not 0 < max_ctx <= long_ctx:
-        raise ValueError(f"need 0 < max_ctx <= long_ctx, got max_ctx={max_ctx}, long_ctx={long_ctx}")
+        raise InputError(f"need 0 < max_ctx <= long_ctx, got max_ctx={max_ctx}, long_ctx={long_ctx}")
     if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if c_main < 1 or c_long < 0:
-        raise ValueError(f"need c_main >= 1 and c_long >= 0, got c_main={c_main}, c_long={c_long}")
+        raise InputError(f"need c_main >= 1 and c_long >= 0, got c_main={c_main}, c_long={c_long}")
 
 # %% ../nbs/01_catalog.ipynb #a4da12bf
 def partition(
@@ -386,7 +387,7 @@ def repartition(path, timeout: float = None) -> pd.DataFrame:
     with connect(path, read_only=True, timeout=timeout) as con:
         p = con.execute('SELECT any_value(params) FROM partitions').fetchall()[0][0]
     if p is None:
-        raise ValueError(f"{path} was never partitioned; call partition(path, ...) with the recipe's parameters")
+        raise InputError(f"{path} was never partitioned; call partition(path, ...) with the recipe's parameters")
     return partition(path, timeout=timeout, **json.loads(p))
 
 # %% ../nbs/01_catalog.ipynb #f1f6c309
@@ -400,7 +401,7 @@ def set_state(
 ) -> int:  # rows written
     "Record `state` in `phase` for `sample_ids`"
     if state not in STATES:
-        raise ValueError(f"state {state!r}: use one of {', '.join(STATES)}")
+        raise InputError(f"state {state!r}: use one of {', '.join(STATES)}")
     ids = [sample_ids] if isinstance(sample_ids, str) else list(sample_ids)
     details = detail if isinstance(detail, (list, tuple)) else [detail] * len(ids)
     t = pa.table(dict(sample_id=pa.array(ids, pa.string()), detail=pa.array(details, pa.string())))
@@ -419,7 +420,7 @@ def set_state(
 def _ident(name: str) -> str:
     "`name` if it is a plain identifier (phase or column names go into SQL text)"
     if not re.fullmatch(r'[A-Za-z_]\w*', name or ''):
-        raise ValueError(f"{name!r} is not a plain identifier")
+        raise InputError(f"{name!r} is not a plain identifier")
     return name
 
 
@@ -466,7 +467,7 @@ def record_run(
 ):
     "Insert or update the row of `phase` in run `run_id`"
     if status not in RUN_STATUSES:
-        raise ValueError(f"status {status!r}: use one of {', '.join(RUN_STATUSES)}")
+        raise InputError(f"status {status!r}: use one of {', '.join(RUN_STATUSES)}")
     sql = """INSERT INTO runs
       VALUES ($run_id, $phase, $recipe, $status, now(), CASE WHEN $status <> 'running' THEN now() END, $params)
       ON CONFLICT (run_id, phase) DO UPDATE SET status = excluded.status, finished = excluded.finished,

@@ -8,6 +8,7 @@ __all__ = ['TOOL_VERBS', 'phase_args', 'parser', 'phase_parser', 'parse_cli', 'm
 # %% ../nbs/99_cli.ipynb #069af539
 import argparse, json, os, signal, sys
 from pathlib import Path
+from .recipe import InputError
 
 # %% ../nbs/99_cli.ipynb #44132df3
 def _trust_flag(p: argparse.ArgumentParser, more: str = ''):
@@ -24,7 +25,7 @@ def _ints(s: str, flag: str) -> list:
     try:
         return [int(x) for x in s.split(',') if x.strip()]
     except ValueError:
-        raise ValueError(f"{flag} {s!r}: give comma-separated integers, e.g. 2,30,58") from None
+        raise InputError(f"{flag} {s!r}: give comma-separated integers, e.g. 2,30,58") from None
 
 
 def _draft_dir(d) -> Path:
@@ -61,10 +62,10 @@ _POSITIVE = (
 def _check_counts(a):
     "Refuse a count below 1 or a port out of range, naming the option"
     if (v := getattr(a, 'port', None)) is not None and not 1 <= v <= 65535:
-        raise ValueError(f"--port {v}: give a port from 1 to 65535")
+        raise InputError(f"--port {v}: give a port from 1 to 65535")
     for k in _POSITIVE:
         if (v := getattr(a, k, None)) is not None and v < 1:
-            raise ValueError(f"{'-n' if k == 'n' else '--' + k.replace('_', '-')} {v}: give a positive integer")
+            raise InputError(f"{'-n' if k == 'n' else '--' + k.replace('_', '-')} {v}: give a positive integer")
 
 
 def _check_args(a):
@@ -174,7 +175,7 @@ def _export(a):
     run = run_defaults(ck) if not (a.target and a.data) else {}
     target, data = a.target or run.get('target'), a.data or run.get('data_root')
     if not target:
-        raise ValueError(
+        raise InputError(
             f"{ck} is not inside a run folder (papermill_runs/<run_id>/checkpoints/step_N next to "
             "recipe.yaml): pass --target TARGET_DIR"
         )
@@ -669,33 +670,26 @@ def _os_message(
 
 # %% ../nbs/99_cli.ipynb #0d9fee94
 def _user_errors():
-    "Exception types whose message is the whole story"
-    from eagle3nb.recipe import RecipeError
-    from eagle3nb.runner import PhaseFailed
-    from eagle3nb.server import ServerNotReady, ModelMismatch
-    from eagle3nb.catalog import CatalogLocked
-    from eagle3nb.export import ExportError
-    from eagle3nb.engine import EngineError
-    from eagle3nb.download import DownloadError
-    from eagle3nb.extract import NotEnoughDisk  # the preflight, and extraction stopped before the disk filled
+    "Exception types whose message is the whole story; any other exception is a bug and keeps its traceback"
+    import json
+    from pydantic import ValidationError
+    from eagle3nb.recipe import UserError
 
-    # ValueError covers RecipeError, PrepareError, BadFile (a file that does not parse: JSON, YAML, UTF-8), json's and
-    # UTF-8's own errors and the phases' checks of their inputs, whose messages name the bad value and what to do;
-    # an OSError naming a path is the user's too (`_os_message`); EAGLE3NB_DEBUG=1 brings the traceback back
-    return (
-        EngineError,
-        RecipeError,
-        PhaseFailed,
-        ServerNotReady,
-        ModelMismatch,
-        CatalogLocked,
-        ExportError,
-        DownloadError,
-        NotEnoughDisk,
-        FileNotFoundError,
-        FileExistsError,
-        ValueError,
-    )
+    # ours: every error written for the user derives from UserError (a bad value: InputError, a ValueError too).
+    # Python's own: a FileNotFoundError / FileExistsError raised with our message (the ones naming a path get
+    # `_os_message`), and a parser's error about a user's file. A bare ValueError, RuntimeError or AssertionError is
+    # a bug of ours, never advice: `int('40.bak')` deep in the library must not read as a message for the user
+    return (UserError, FileNotFoundError, FileExistsError, json.JSONDecodeError, UnicodeDecodeError, ValidationError)
+
+
+def _remote_code(e: Exception) -> str | None:  # 'file.py:LINE' of the target's code that raised; None: not its code
+    "Where in the target's own code (`trust_remote_code`, which transformers imports as `transformers_modules`) `e` arose"
+    import traceback
+
+    for f in reversed(traceback.extract_tb(e.__traceback__)):
+        if '/transformers_modules/' in f.filename.replace(os.sep, '/'):
+            return f'{Path(f.filename).name}:{f.lineno}'
+    return None
 
 
 def _user_message(e: Exception, a, flags: dict) -> str | None:
@@ -704,6 +698,11 @@ def _user_message(e: Exception, a, flags: dict) -> str | None:
         return _os_message(e, *_flag_of(a, os.fsdecode(e.filename), flags))
     if isinstance(e, _user_errors()):
         return str(e)
+    if where := _remote_code(e):
+        return (
+            f"the target's own code ({where}, run by trust_remote_code) raised {type(e).__name__}: {e}; fix that file "
+            "in the target's folder or use a target whose code loads (EAGLE3NB_DEBUG=1 shows the traceback)"
+        )
     return None
 
 
@@ -745,7 +744,10 @@ def main(argv=None):
         sys.exit(code)
     except Exception as e:
         msg = None if os.environ.get('EAGLE3NB_DEBUG') else _user_message(e, a, _flag_names(p, a))
-        if msg is None:
+        if msg is None:  # a bug: the traceback, and a last line saying what to do with it
+            e.add_note(
+                f'eagle3nb {a.verb}: this is a bug in eagle3nb, not in your input; please report it with the traceback'
+            )
             raise
         print(f'eagle3nb {a.verb}: error: {msg}', file=sys.stderr)
         sys.exit(1)

@@ -34,9 +34,10 @@ from .store import DTYPES, FORMAT, MODES
 from .render import load_tokenizer, template_sha256, tokenizer_sha256
 from .train import target_tensors
 from .vocab import family_special_ids, vocab_maps
+from .recipe import InputError
 
 # %% ../nbs/71_doctor.ipynb #b1bd256e
-class DoctorError(ValueError):
+class DoctorError(InputError):
     "Something doctor cannot read: a server-args file, a server, an export folder"
 
 # %% ../nbs/71_doctor.ipynb #cfef7b97

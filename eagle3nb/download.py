@@ -16,6 +16,7 @@ from pathlib import Path
 import tenacity
 from tqdm.auto import tqdm
 from .recipe import Recipe, RecipeError, raw_dir, read_json, write_json
+from .recipe import UserError
 
 # %% ../nbs/09_download.ipynb #1c204565
 MANIFEST = '.eagle3nb_download.json'  # in raw/<name>/: the repo, its commit, each file's bytes and sha256
@@ -25,7 +26,7 @@ RETRY_STATUS = (408, 429, 500, 502, 503, 504)  # answers worth another try; any 
 _COMMIT = re.compile(r'[0-9a-f]{40}')
 
 
-class DownloadError(RuntimeError):
+class DownloadError(UserError, RuntimeError):
     "A dataset that could not be fetched; the message names the repo, the file and what to do"
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from fastcore.basics import patch
+from .recipe import InputError
 
 # %% ../nbs/60_draft.ipynb #4a24a322
 @dataclass
@@ -108,7 +109,7 @@ def draft_config(
     if over.get('arch') == 'mla':
         miss = [k for k in MLA_SIZES if not getattr(c, k, None)]
         if miss:
-            raise ValueError(
+            raise InputError(
                 f"arch 'mla' takes the target's MLA sizes, but its config has no {', '.join(miss)}: "
                 "use arch 'llama' for this target"
             )
@@ -382,13 +383,13 @@ def draft_options(d: dict, where: str = 'phases.train.draft') -> dict:  # DraftC
     d = dict(d or {})
     for k, v in d.items():
         if k not in DRAFT_OPTIONS:
-            raise ValueError(f"{where}.{k}: unknown; the draft block takes {', '.join(DRAFT_OPTIONS)}")
+            raise InputError(f"{where}.{k}: unknown; the draft block takes {', '.join(DRAFT_OPTIONS)}")
         if type(v) is not DRAFT_OPTIONS[k]:
-            raise ValueError(f"{where}.{k}: {v!r} is not a {DRAFT_OPTIONS[k].__name__}")
+            raise InputError(f"{where}.{k}: {v!r} is not a {DRAFT_OPTIONS[k].__name__}")
     if d.get('arch', 'llama') not in ('llama', 'mla'):
-        raise ValueError(f"{where}.arch: {d['arch']!r}; use llama or mla")
+        raise InputError(f"{where}.arch: {d['arch']!r}; use llama or mla")
     if d.get('arch') == 'mla' and d.get('norm_before_fc'):
-        raise ValueError(f"{where}.norm_before_fc: vLLM's MLA draft has no input_norm; use fc_norm")
+        raise InputError(f"{where}.norm_before_fc: vLLM's MLA draft has no input_norm; use fc_norm")
     if d.get('arch') == 'mla' and 'head_dim' in d:
-        raise ValueError(f"{where}.head_dim: an mla draft takes the target's MLA sizes, not a head_dim")
+        raise InputError(f"{where}.head_dim: an mla draft takes the target's MLA sizes, not a head_dim")
     return d

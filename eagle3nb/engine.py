@@ -23,12 +23,13 @@ from .server import LocalServer, ServerNotReady, wait_for_server, _tail, _termin
 from .server import http_client, post_json, raise_for_status
 from .recipe import Launch
 from .target import is_vlm, text_config
+from .recipe import InputError, UserError
 
 # %% ../nbs/05_engine.ipynb #24b58462
 ENGINE_VAR = 'EAGLE3NB_VLLM'  # environment variable: a vLLM venv folder, or its python
 
 
-class EngineNotFound(FileNotFoundError):
+class EngineNotFound(UserError, FileNotFoundError):
     "No vLLM install to run"
 
 
@@ -186,7 +187,7 @@ def engine_env(
     return {**e, **(env or {})}
 
 # %% ../nbs/05_engine.ipynb #607e3081
-class EngineError(RuntimeError):
+class EngineError(UserError, RuntimeError):
     "The engine started but failed a request, or exited; the message holds its own words, `log` the server's log"
 
     def __init__(self, msg: str, log=None):
@@ -492,7 +493,7 @@ def sglang_flags(launch: Launch) -> list:
     "SGLang's words for `launch`, each setting that is not None (a KV cache in GB is vLLM's alone: refused)"
     s, out = launch, []
     if s.kv_cache_gb:
-        raise ValueError(
+        raise InputError(
             "launch.kv_cache_gb is vLLM's setting: SGLang sizes its KV pool by launch.memory (--mem-fraction-static), "
             "or give --max-total-tokens in launch.extra"
         )

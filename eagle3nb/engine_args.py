@@ -9,6 +9,7 @@ __all__ = ['NAMES', 'MARK', 'launch_words', 'launch_of', 'parse_launches', 'pars
 import json, os, re, shlex, subprocess, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from .recipe import InputError
 
 # %% ../nbs/05c_engine_args.ipynb #e0efe08f
 _MODULES = {'sglang.launch_server': 'sglang-launch', 'vllm.entrypoints.openai.api_server': 'vllm-api'}  # python -m X
@@ -40,7 +41,7 @@ def launch_words(
             words, why = [], f" (cannot split {ln.strip()[:80]!r}: {e})"
         if _find(words):
             return words
-    raise ValueError(f"no SGLang or vLLM launch command in {line.strip()[:120]!r}{why}")
+    raise InputError(f"no SGLang or vLLM launch command in {line.strip()[:120]!r}{why}")
 
 # %% ../nbs/05c_engine_args.ipynb #5f0a684b
 def _sglang_serve(args: list) -> list:
@@ -63,7 +64,7 @@ def launch_of(
     words = launch_words(line)
     kind, i = _find(words) or (None, 0)
     if kind is None:
-        raise ValueError(f"no SGLang or vLLM launch command in {shlex.join(words)[:120]!r}")
+        raise InputError(f"no SGLang or vLLM launch command in {shlex.join(words)[:120]!r}")
     args = []
     for w in words[i:]:
         if _STOP.fullmatch(w):

@@ -29,6 +29,7 @@ from .recipe import Recipe, default_aux_layers, role
 from .target import target_config, text_config
 from .server import hold_lock, list_models, owned_by, reap_leftovers
 from .recipe import retrying
+from .recipe import InputError
 
 # %% ../nbs/52_engine_extract.ipynb #25b9f0dc
 CONNECTOR_MODULE, CONNECTOR_CLASS = 'eagle3nb_hs_connector', 'SyncHiddenStatesConnector'
@@ -495,11 +496,11 @@ def check_sglang_aux(
 ):
     "`ValueError` for aux ids SGLang cannot return for this target (see above)"
     if min(aux_layers) < 1:
-        raise ValueError(
+        raise InputError(
             f"aux layers {list(aux_layers)}: SGLang returns layer outputs (our id - 1), so not id 0 (the embeddings)"
         )
     if is_mla(model_dir) and aux_layers[0] != 2:
-        raise ValueError(
+        raise InputError(
             f"aux layers {list(aux_layers)}: SGLang's DeepSeek-family models shift their ids to layer inputs only "
             "when the first is 1 (ours 2); with these it would capture other layers. Start them at 2, or use vllm"
         )
@@ -644,7 +645,7 @@ def extraction_endpoint(
         log(f'vLLM extraction server ready in {srv.ready_s:.0f} s ({srv.base_url}, spool {ours}, log {srv.log_path})')
         return [ep.base_url], ep.model, ep.api_key, ours, True
     if not spool:
-        raise ValueError(
+        raise InputError(
             "serving.extract.urls is set: give phases.extract.spool (or --spool), the folder their "
             "hidden-states connector writes (its shared_storage_path), readable from here"
         )
@@ -779,7 +780,7 @@ def extract_context_engine(
 ) -> list:  # one `extract_recipe` row per mode and split
     "Extract every corpus split of `ctx`'s recipe in every mode through an engine (vLLM, SGLang); validate each store"
     if engine not in ('vllm', 'sglang'):
-        raise ValueError(f"engine {engine!r}: use vllm or sglang")
+        raise InputError(f"engine {engine!r}: use vllm or sglang")
     r, ph = ctx.recipe, ctx.phase_params('extract')
     if not r.serving.extract.urls:  # the engine we launch loads it: refuse missing layers first
         check_layer_weights(r.target.model)

@@ -19,9 +19,10 @@ from .target import target_config, target_family
 from .draft import new_draft
 from .train import save_checkpoint, TrainConfig, checkpoint_steps, latest_checkpoint, read_metrics
 from .vocab import vocab_maps
+from .recipe import UserError
 
 # %% ../nbs/70_export.ipynb #1a3374a6
-class ExportError(Exception):
+class ExportError(UserError):
     "A checkpoint that cannot be exported, or an export folder that fails its checks"
 
 # %% ../nbs/70_export.ipynb #49f22015

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 import torch
-from .recipe import Recipe, default_aux_layers, check_aux_layers, load_recipe
+from .recipe import InputError, Recipe, UserError, default_aux_layers, check_aux_layers, load_recipe
 from .server import hold_lock
 from .target import load_model, text_config
 from . import store as _store
@@ -72,7 +72,7 @@ def _header_keys(f: Path) -> list:
     with open(f, 'rb') as fh:
         n = int.from_bytes(fh.read(8), 'little')
         if not 0 < n < 1 << 28:
-            raise ValueError(f"{f}: no safetensors header")
+            raise InputError(f"{f}: no safetensors header")
         return [k for k in json.loads(fh.read(n)) if k != '__metadata__']
 
 
@@ -108,7 +108,7 @@ def check_layer_weights(
     if not missing:
         return
     gone = ', '.join(map(str, missing[:6])) + (', ...' if len(missing) > 6 else '')
-    raise ValueError(
+    raise InputError(
         f"{what} {model_dir}: config.json declares {n} layers (num_hidden_layers) but its weights hold "
         f"{n - len(missing)} (no weights for layers {gone}), which would run randomly initialised; "
         "give the complete checkpoint or fix num_hidden_layers"
@@ -125,7 +125,7 @@ def capture(model, aux_layers: list):  # yields a dict id -> (B, T, H) filled by
     dec, got, hooks = _decoder(model), {}, []
     n = len(dec.layers)
     if any(not 0 <= k < n for k in aux_layers):
-        raise ValueError(f"aux layer ids {aux_layers}: each must lie in [0, {n - 1}] (input-of-layer ids)")
+        raise InputError(f"aux layer ids {aux_layers}: each must lie in [0, {n - 1}] (input-of-layer ids)")
 
     def keep(k):
         return lambda mod, args, kw: got.__setitem__(k, args[0] if args else kw['hidden_states'])
@@ -199,7 +199,7 @@ def length_batches(
     return out + [cur] if cur else out
 
 # %% ../nbs/50_extract.ipynb #a4c603cc
-class NotEnoughDisk(RuntimeError):
+class NotEnoughDisk(UserError, RuntimeError):
     "Free space below what the extraction will write, with margin"
 
 
@@ -225,7 +225,7 @@ def rank_world(rank: int = None, world: int = None) -> tuple:
     r = int(os.environ.get('RANK', 0)) if rank is None else rank
     w = int(os.environ.get('WORLD_SIZE', 1)) if world is None else world
     if not 0 <= r < w:
-        raise ValueError(f"rank {r} outside world size {w}")
+        raise InputError(f"rank {r} outside world size {w}")
     return r, w
 
 
@@ -253,7 +253,7 @@ def _check_resumable(out_dir, meta: dict):
     old = read_meta(fs[0])
     diff = {k: (old.get(k), v) for k, v in meta.items() if k != 'rank' and old.get(k) != v}
     if diff:
-        raise ValueError(f"{out_dir} holds shards made with other settings {diff} (stored, now); use another folder")
+        raise InputError(f"{out_dir} holds shards made with other settings {diff} (stored, now); use another folder")
 
 # %% ../nbs/50_extract.ipynb #fd27f1f7
 def sample_tensors(row, a, f, mode, n_aux, w_draft, topk):
@@ -287,16 +287,16 @@ def _plan(model, samples, out_dir, aux_layers, mode, d2t, topk, target, template
     aux_layers = aux_layers if aux_layers is not None else default_aux_layers(cfg.num_hidden_layers)
     H, aux_layers = cfg.hidden_size, check_aux_layers(aux_layers, cfg.num_hidden_layers, 'aux_layers')
     if mode not in MODES:
-        raise ValueError(f"mode {mode!r}: use one of {', '.join(MODES)}")
+        raise InputError(f"mode {mode!r}: use one of {', '.join(MODES)}")
     tids = draft_target_ids(d2t, cfg.vocab_size)
     meta = shard_meta(mode, aux_layers, H, target, template_sha256, topk, len(tids), rank)
     _check_resumable(out_dir, meta)
     ids, lens, get = _view(samples)
     if len(set(ids)) != len(ids):
-        raise ValueError("sample_id repeats in the input; ids must be unique")
+        raise InputError("sample_id repeats in the input; ids must be unique")
     empty = [s for s, L in zip(ids, lens) if L == 0]
     if empty:
-        raise ValueError(f"{len(empty)} samples have no tokens, e.g. {empty[0]!r}; drop them before extraction")
+        raise InputError(f"{len(empty)} samples have no tokens, e.g. {empty[0]!r}; drop them before extraction")
     done = done_ids(out_dir)
     todo = [j for j, s in enumerate(ids) if mine(s, rank, world) and s not in done]
     bpt = bytes_per_token(mode, H, len(aux_layers), topk, len(tids))
@@ -659,7 +659,7 @@ def check_request(root: Path, modes: list, splits: list):
     "`ValueError` / `FileNotFoundError` for modes or splits extract does not know, or a data root with no corpus"
     for flag, got, known in (('--modes', modes, MODES), ('--splits', splits, SPLITS)):
         if not got or any(x not in known for x in got):
-            raise ValueError(f"{flag} {','.join(got)!r}: use one or more of {', '.join(known)}")
+            raise InputError(f"{flag} {','.join(got)!r}: use one or more of {', '.join(known)}")
     if not (root / 'corpus').is_dir():
         raise FileNotFoundError(
             f"{root / 'corpus'}: no corpus; run the merge phase (40_merge, `eagle3nb merge RECIPE`) first"

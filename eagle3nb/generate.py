@@ -27,6 +27,7 @@ import tenacity
 from pydantic import Field, model_validator
 from .phase import Params
 from .server import retrying
+from .recipe import InputError
 
 # %% ../nbs/30_generate.ipynb #0b90f645
 TURNS_GONE = "generate parameter `turns` is gone: set each dataset's `regenerate` (once, turns, prefix or keep) instead"
@@ -63,7 +64,7 @@ class GenParams(Params):
     @classmethod
     def _no_turns(cls, v):
         if isinstance(v, dict) and 'turns' in v:
-            raise ValueError(TURNS_GONE)
+            raise InputError(TURNS_GONE)
         return v
 
 
@@ -75,7 +76,7 @@ def check_params(p: GenParams) -> GenParams:
     from eagle3nb.schema import KINDS
 
     if bad := sorted(set(p.kinds) - set(KINDS)):
-        raise ValueError(f"unknown sample kind(s) {bad} in kinds; use {', '.join(KINDS)}")
+        raise InputError(f"unknown sample kind(s) {bad} in kinds; use {', '.join(KINDS)}")
     return p
 
 
@@ -86,10 +87,10 @@ def gen_params(r=None, **kw) -> GenParams:
         **{k: v for k, v in kw.items() if v is not None},
     }
     if 'turns' in p:
-        raise ValueError(TURNS_GONE)  # before the unknown ones: say what replaced it
+        raise InputError(TURNS_GONE)  # before the unknown ones: say what replaced it
     bad = sorted(set(p) - set(GenParams.model_fields))
     if bad:
-        raise ValueError(f"unknown generate parameter(s) {bad}; known: {', '.join(GenParams.model_fields)}")
+        raise InputError(f"unknown generate parameter(s) {bad}; known: {', '.join(GenParams.model_fields)}")
     return check_params(GenParams(**p))
 
 # %% ../nbs/30_generate.ipynb #4ab00b93
@@ -282,7 +283,7 @@ def partitions_of(catalog) -> dict:
 
     df = query(catalog, "SELECT partition, ctx, concurrency FROM partitions WHERE partition IN ('main', 'long')")
     if not len(df):
-        raise ValueError(f"{catalog} has no partitions; run the catalog phase (catalog.partition) first")
+        raise InputError(f"{catalog} has no partitions; run the catalog phase (catalog.partition) first")
     return {p: dict(ctx=int(c), concurrency=int(k)) for p, c, k in df.values}
 
 
@@ -560,7 +561,7 @@ class EndpointPool:
 
     def __init__(self, urls: list):
         if not urls:
-            raise ValueError(
+            raise InputError(
                 'no endpoints: set target.endpoints, or run the phase (its engine session serves the target)'
             )
         self.out = {u.rstrip('/'): 0 for u in urls}
@@ -1250,7 +1251,7 @@ def completion_ids(
     if rec.get('token_ids'):
         return [int(t) for t in rec['token_ids']]
     if rec.get('text') is None:
-        raise ValueError(
+        raise InputError(
             f"record {rec.get('sample_id')} has no text: a chat-mode record becomes samples by `chat_samples`"
         )
     ids = tok.encode(rec['text'], add_special_tokens=False)
@@ -1380,7 +1381,7 @@ def completed_samples(
     ok = [x for x in ok if _policy(x) != 'once' or x['sample_id'] in rows]  # a sample render no longer makes: none
     chat = [x for x in ok if x.get('mode') == 'chat']
     if chat and prepared_dir is None:
-        raise ValueError(f'{shards_dir} holds chat-mode answers: give prepared_dir, the conversations they answer')
+        raise InputError(f'{shards_dir} holds chat-mode answers: give prepared_dir, the conversations they answer')
     convs, items, bad = conversations(prepared_dir, {x['conversation_id'] for x in chat}) if chat else {}, [], Counter()
     for x in chat:
         try:

@@ -13,6 +13,7 @@ import hashlib, json, time, zlib
 from pathlib import Path
 import numpy as np
 import pandas as pd
+from .recipe import InputError
 
 # %% ../nbs/40_merge.ipynb #49cccd06
 CORPUS_COLUMNS = ('sample_id', 'conversation_id', 'dataset', 'input_ids', 'loss_mask', 'spans')
@@ -121,14 +122,14 @@ def mix_counts(
     mix = mix or {}
     unknown = sorted(set(mix) - set(available))
     if unknown:
-        raise ValueError(
+        raise InputError(
             f"merge mix names {unknown}, not among the datasets ({', '.join(sorted(available)) or 'none'})"
         )
     out = {}
     for n, have in available.items():
         v = mix.get(n, 1.0)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (isinstance(v, float) and v > 1):
-            raise ValueError(f'merge mix.{n} = {v!r}: give a count (int >= 0) or a ratio (float in [0, 1])')
+            raise InputError(f'merge mix.{n} = {v!r}: give a count (int >= 0) or a ratio (float in [0, 1])')
         out[n] = min(v, have) if isinstance(v, int) else int(round(v * have))
     return out
 
@@ -156,7 +157,7 @@ def split(
 ) -> tuple:  # train, eval: row positions in shuffled order
     "Shuffle the drawn rows and cut an eval split of whole conversations"
     if not 0 <= eval_fraction < 1:
-        raise ValueError(f'eval_fraction must be in [0, 1), got {eval_fraction}')
+        raise InputError(f'eval_fraction must be in [0, 1), got {eval_fraction}')
     idx = _rng(seed, 'shuffle').permutation(np.array(m.index[drawn.astype(bool)], dtype=np.int64))
     n = len(idx)
     want = max(1, round(n * eval_fraction)) if eval_fraction > 0 and n > 1 else 0
@@ -304,7 +305,7 @@ def merge_params(r, **over) -> dict:
     p = {**MERGE_DEFAULTS, **r.phases.get('merge', {}), **{k: v for k, v in over.items() if v is not None}}
     unknown = sorted(set(p) - set(MERGE_DEFAULTS) - {'force'})  # force: the phase's own
     if unknown:
-        raise ValueError(f'phases.merge: unknown parameter(s) {unknown}; known: {list(MERGE_DEFAULTS)}')
+        raise InputError(f'phases.merge: unknown parameter(s) {unknown}; known: {list(MERGE_DEFAULTS)}')
     seed = r.seed if p['seed'] is None or int(p['seed']) < 0 else int(p['seed'])  # the notebook's -1: the recipe's seed
     return dict(
         mix=dict(p['mix'] or {}), eval_fraction=float(p['eval_fraction']), seed=seed, extra=list(p['extra'] or [])
@@ -371,7 +372,7 @@ def check_same_target(inputs: dict):  # label -> folder
         if p.exists():
             seen.setdefault(tuple(read_json(p, _AGAIN)['params'].get(x) for x in _SAME), []).append(k)
     if len(seen) > 1:
-        raise ValueError(
+        raise InputError(
             'merge inputs were rendered for different targets (tokenizer_sha256, template_sha256, thinking): '
             + '; '.join(f"{', '.join(v)}: {tuple(str(x)[:12] for x in t)}" for t, v in seen.items())
             + '; render them again'

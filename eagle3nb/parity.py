@@ -16,6 +16,7 @@ from .server import ServerNotReady, post_json
 from .engine import server_root
 from .schema import conversation, from_record, message, to_record, tool_call
 from .render import render_conversations, template_messages
+from .recipe import InputError
 
 # %% ../nbs/25_parity.ipynb #7ba2cac7
 def request_message(m: dict) -> dict:
@@ -285,7 +286,7 @@ def parity_line(res: dict) -> str:
     )
 
 # %% ../nbs/25_parity.ipynb #3b7ccf11
-class ParityMismatch(ValueError):
+class ParityMismatch(InputError):
     "Our rendered prompts are not what the engine serving the target renders for the same conversations"
 
 

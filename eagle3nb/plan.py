@@ -18,6 +18,7 @@ from .recipe import Launch, Recipe, RecipeError, load_recipe, default_aux_layers
 from .generate import GEN_DEFAULTS
 from .toy import ensure_toy
 from .target import text_config
+from .recipe import InputError
 
 # %% ../nbs/90_plan.ipynb #68e2e4f1
 class PlanParams(Params):
@@ -85,7 +86,7 @@ class PlanParams(Params):
     @classmethod
     def _per(cls, v):
         if v not in ('server', 'fleet'):
-            raise ValueError(f"{v!r}: say whether the rate is one server's (server) or the whole fleet's (fleet)")
+            raise InputError(f"{v!r}: say whether the rate is one server's (server) or the whole fleet's (fleet)")
         return v
 
 # %% ../nbs/90_plan.ipynb #2ba496fb
@@ -1375,7 +1376,7 @@ def plan_version(path) -> int:
     "N of `.../train_plan_vN.md`"
     m = _PLAN_RE.fullmatch(Path(path).name)
     if not m:
-        raise ValueError(f"{path} is not a train_plan_vN.md file")
+        raise InputError(f"{path} is not a train_plan_vN.md file")
     return int(m[1])
 
 

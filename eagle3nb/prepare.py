@@ -19,12 +19,13 @@ from .schema import ADAPTERS, KINDS, SCHEMA_VERSION, Reject, to_record, from_rec
 from .schema import special_text_problem
 from .target import special_texts
 from . import adapters, agent_adapters  # registers every format
+from .recipe import InputError
 
 # %% ../nbs/13_prepare.ipynb #d7fad50d
 _BUILDERS = {'.json': 'json', '.jsonl': 'json', '.parquet': 'parquet'}
 
 
-class PrepareError(ValueError):
+class PrepareError(InputError):
     "A dataset that cannot be prepared as asked (format, kind, files); the message says what to change"
 
 

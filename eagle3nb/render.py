@@ -18,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 from .schema import from_record, sample_id as _sample_id
 from .target import FAMILY_TOKENS, template_family
+from .recipe import InputError
 
 # %% ../nbs/20_render.ipynb #498cdfc6
 def _js(a) -> str:
@@ -222,7 +223,7 @@ def _fns(m: dict) -> list:
     return [c['function'] for c in m.get('tool_calls') or []]
 
 
-class RenderError(ValueError):
+class RenderError(InputError):
     "A turn the target's format cannot express; the message is the reject reason"
 
 # %% ../nbs/20_render.ipynb #b596523f
@@ -888,7 +889,7 @@ def _tiktoken(tok):
     "The tiktoken `Encoding` slow tokenizer `tok` encodes with (`tok.model`, as Kimi's keeps it), or `ValueError`"
     enc = getattr(tok, 'model', None)
     if type(enc).__module__.split('.')[0] != 'tiktoken':
-        raise ValueError(f'{type(tok).__name__} keeps no tiktoken Encoding at .model')
+        raise InputError(f'{type(tok).__name__} keeps no tiktoken Encoding at .model')
     return enc
 
 
@@ -915,7 +916,7 @@ def tiktoken_twin(tok):
     bk, added = conv.converted(), _twin_added(tok, enc)
     bk.add_tokens([added[i] for i in sorted(added)])
     if moved := [(a.content, i) for i, a in added.items() if bk.token_to_id(a.content) != i]:
-        raise ValueError(f'added token {moved[0][0]!r} would not keep its id {moved[0][1]} in the fast twin')
+        raise InputError(f'added token {moved[0][0]!r} would not keep its id {moved[0][1]} in the fast twin')
     return PreTrainedTokenizerFast(tokenizer_object=bk)
 
 # %% ../nbs/20_render.ipynb #4a3a9443
@@ -1112,7 +1113,7 @@ def load_tokenizer(
         from transformers import AutoTokenizer
 
         if not trust_remote_code and (code := tokenizer_code(target_dir)):
-            raise ValueError(
+            raise InputError(
                 f"{target_dir} ships its own tokenizer code ({code}, in its auto_map), and "
                 "trust_remote_code is off: transformers would load another tokenizer in its place (for Kimi-K2.5, "
                 "one that declares the tools as JSON, not as the served model sees them); set "
@@ -1144,7 +1145,7 @@ def chat_tokenizer(
     "`load_tokenizer(target_dir)`, or `ValueError` naming the target when its tokenizer has no chat template"
     tok = load_tokenizer(target_dir, trust_remote_code)
     if not tok.chat_template:
-        raise ValueError(
+        raise InputError(
             f"{target_dir}: the target has no chat template "
             "(no chat_template.jinja, and none in tokenizer_config.json), "
             "so no conversation can be rendered; "

@@ -33,6 +33,7 @@ from eagle3nb.recipe import (
 from .server import hold_lock, owned_by, reap_leftovers
 from .phase import KINDS, RunContext, number_hint, params_problems, phases
 from .target import text_config
+from .recipe import UserError
 
 # %% ../nbs/98_runner.ipynb #176be0a2
 def repo_root(start=None) -> Path:
@@ -292,7 +293,7 @@ def _quiet_asyncio():
     logging.getLogger('asyncio').setLevel(logging.CRITICAL)
 
 
-class PhaseFailed(RuntimeError):
+class PhaseFailed(UserError, RuntimeError):
     "A phase notebook raised; the message names the phase, the cell and the record"
 
 

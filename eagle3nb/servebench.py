@@ -24,6 +24,7 @@ from .server import http_client, list_models
 from .engine import prom_samples
 from .prepare import conversations, read_manifest
 from .merge import load_corpus, read_corpus_manifest
+from .recipe import InputError
 
 # %% ../nbs/80_servebench.ipynb #6e452f9e
 def as_messages(p) -> list:  # OpenAI chat messages
@@ -222,7 +223,7 @@ def bench_endpoint(
 ) -> dict:  # one row: see `summarize`, plus concurrency, max_tokens, accept_len
     "Stream every prompt through `base_url` with `concurrency` in flight; throughput, TTFT, failures, accept length"
     if concurrency < 1:
-        raise ValueError(f'concurrency must be >= 1, got {concurrency}')
+        raise InputError(f'concurrency must be >= 1, got {concurrency}')
     msgs = [as_messages(p) for p in prompts]
     before = spec_state(base_url)
     rs, seconds = _run(_bench(base_url, model, msgs, concurrency, max_tokens, api_key, timeout))
@@ -291,9 +292,9 @@ def break_even(
 ) -> dict:  # cost c, speedup, break_even_accept_len (= c), and the inputs
     "Cost of a speculative round in baseline decode steps, and the accept length where speculation breaks even"
     if not (base_tok_s > 0 and spec_tok_s > 0):
-        raise ValueError(f'break-even needs positive tok/s; got baseline {base_tok_s}, speculative {spec_tok_s}')
+        raise InputError(f'break-even needs positive tok/s; got baseline {base_tok_s}, speculative {spec_tok_s}')
     if accept_len is None or not accept_len >= 1:
-        raise ValueError(f'accept length must be >= 1 (bonus token included), got {accept_len}')
+        raise InputError(f'accept length must be >= 1 (bonus token included), got {accept_len}')
     c = accept_len * base_tok_s / spec_tok_s
     return dict(
         base_tok_s=base_tok_s,
@@ -505,7 +506,7 @@ def load_prompts(path) -> list:  # lists of chat messages
                 if l.strip():
                     items.append(json.loads(l))
     except ValueError as e:
-        raise ValueError(
+        raise InputError(
             f"{p} line {k or getattr(e, 'lineno', '?')} is not valid JSON ({str(e).splitlines()[0][:80]}): "
             "write each prompt as a JSON string or a list of messages"
         ) from None
@@ -544,7 +545,7 @@ def _check_answered(df: pd.DataFrame):
     for ep, g in df.groupby('endpoint'):
         if g.ok.sum() == 0:
             err = next((e[0] for e in g.errors if e), 'no answer')
-            raise ValueError(
+            raise InputError(
                 f"no request succeeded on the {ep} endpoint {g.url.iloc[0]} ({err}); nothing written: is the server up?"
             )
 
@@ -557,9 +558,9 @@ def concurrency_list(
     try:
         cs = [int(c) for c in str(s).split(',') if c.strip()]
     except ValueError:
-        raise ValueError(f"{what} {s!r}: give comma-separated integers, e.g. 1,8") from None
+        raise InputError(f"{what} {s!r}: give comma-separated integers, e.g. 1,8") from None
     if not cs or min(cs) < 1:
-        raise ValueError(f"{what} {s!r}: give concurrencies >= 1, e.g. 1,8")
+        raise InputError(f"{what} {s!r}: give concurrencies >= 1, e.g. 1,8")
     return cs
 
 
@@ -591,14 +592,14 @@ def serve_bench_cli(
     elif r:
         ps = eval_prompts(r, n)
     else:
-        raise ValueError('give --prompts FILE (.json / .jsonl) or --recipe RECIPE (its eval split)')
+        raise InputError('give --prompts FILE (.json / .jsonl) or --recipe RECIPE (its eval split)')
     if not ps:
-        raise ValueError(f"no prompts in {prompts or recipe}: is the corpus merged (phase 40) or the file empty?")
+        raise InputError(f"no prompts in {prompts or recipe}: is the corpus merged (phase 40) or the file empty?")
     try:
         model = model or list_models(baseline)[0]
     except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
         why = f"{type(e).__name__}: {str(e)[:120]}"
-        raise ValueError(
+        raise InputError(
             f"--baseline {baseline}: no model list from it ({why}); is the server up? or pass --model"
         ) from None
     df = serve_bench(baseline, speculative, model, ps[:n], cs, max_tokens, api_key=recipe_api_key(r) if r else None)

@@ -17,6 +17,7 @@ import httpx
 from .recipe import retrying
 from pathlib import Path
 from fastcore.basics import patch
+from .recipe import UserError
 
 # %% ../nbs/03_server.ipynb #8d320735
 def free_port(
@@ -135,11 +136,11 @@ def post_json(
         return raise_for_status(c.post(url, json=body)).json()
 
 # %% ../nbs/03_server.ipynb #1471111f
-class ServerNotReady(RuntimeError):
+class ServerNotReady(UserError, RuntimeError):
     "No OpenAI-compatible server answered at the URL in time"
 
 
-class ModelMismatch(RuntimeError):
+class ModelMismatch(UserError, RuntimeError):
     "A server answered but does not serve the expected model"
 
 # %% ../nbs/03_server.ipynb #b5e9fafb
@@ -338,7 +339,7 @@ def reap_leftovers(tag: str, grace: float = 10) -> list:  # the PIDs stopped
     return [p.pid for p in ps]
 
 # %% ../nbs/03_server.ipynb #348a9f48
-class InUse(FileExistsError):
+class InUse(UserError, FileExistsError):
     "Another live process holds the lock of what we were about to write"
 
 

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from .catalog import connect
+from .recipe import InputError, UserError
 
 # %% ../nbs/51_store.ipynb #65e20d08
 FORMAT = 'eagle3nb.hidden/1'  # bump when the shard layout changes
@@ -55,7 +56,7 @@ def bytes_per_token(
         return n_aux * hidden_size + 4 * n_aux + teacher + extra
     if mode == 'nf4':
         return n_aux * hidden_size // 2 + 2 * (n_aux * hidden_size // NF4_GROUP) + teacher + extra
-    raise ValueError(f"mode {mode!r}: use one of {', '.join(MODES)}")
+    raise InputError(f"mode {mode!r}: use one of {', '.join(MODES)}")
 
 # %% ../nbs/51_store.ipynb #dcedd673
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -110,7 +111,7 @@ def quantize_nf4(
     "Blockwise NF4: `NF4_GROUP` values share their absmax as a bf16 scale; two 4-bit level indices a byte"
     T, n, H = x.shape
     if H % NF4_GROUP:
-        raise ValueError(f"nf4 needs a hidden size that is a multiple of {NF4_GROUP}, not {H}: use compact")
+        raise InputError(f"nf4 needs a hidden size that is a multiple of {NF4_GROUP}, not {H}: use compact")
     v = x.float().reshape(T, -1, NF4_GROUP)  # (T, blocks, 32)
     amax = v.abs().amax(-1)  # (T, blocks)
     scale = (amax * (1 + 2**-7)).bfloat16()  # rounding to bf16 stays above the absmax
@@ -184,7 +185,7 @@ def shard_meta(
 ) -> dict:
     "The metadata every shard of one extraction shares (`sample_ids` is added per shard)"
     if mode not in MODES:
-        raise ValueError(f"mode {mode!r}: use one of {', '.join(MODES)}")
+        raise InputError(f"mode {mode!r}: use one of {', '.join(MODES)}")
     return dict(
         format=FORMAT,
         mode=mode,
@@ -255,14 +256,14 @@ class ShardWriter:
         T = len(tensors['input_ids'])
         bad = {k: tuple(tensors[k].shape) for k in self.want if len(tensors[k]) != T}
         if bad:
-            raise ValueError(f"sample {sample_id}: {T} tokens but {bad}")
+            raise InputError(f"sample {sample_id}: {T} tokens but {bad}")
         self.buf.append((sample_id, {k: tensors[k] for k in self.want}))
         self.nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
         if self.nbytes >= self.shard_bytes:
             self.flush()
 
 # %% ../nbs/51_store.ipynb #0c749fed
-class DiskLow(RuntimeError):
+class DiskLow(UserError, RuntimeError):
     "The next shard would leave less than the reserve free on its file system; it was not written"
 
     def __init__(self, store, free: int, reserve: int, shard_bytes: int, samples: int):
@@ -468,7 +469,7 @@ def _getitem(self: HiddenStates, i: int) -> dict:
 HiddenStates.__getitem__ = _getitem
 
 # %% ../nbs/51_store.ipynb #46645408
-class StoreInvalid(ValueError):
+class StoreInvalid(InputError):
     "A hidden-state store that training must not use; the message lists every problem"
 
 

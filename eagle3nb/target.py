@@ -10,6 +10,7 @@ __all__ = ['FAMILY_TOKENS', 'text_config', 'is_vlm', 'target_config', 'load_mode
 # %% ../nbs/04_target.ipynb #7fda1782
 from pathlib import Path
 from .recipe import default_aux_layers, check_aux_layers, read_json
+from .recipe import InputError, UserError
 
 # %% ../nbs/04_target.ipynb #a2c8e9d6
 _DAMAGED = "the target's config.json is damaged: restore it from the model's source"
@@ -18,7 +19,7 @@ _DAMAGED = "the target's config.json is damaged: restore it from the model's sou
 def _config_json(model_dir) -> dict:
     c = read_json(Path(model_dir) / 'config.json', _DAMAGED)
     if not isinstance(c, dict):
-        raise ValueError(f"{Path(model_dir) / 'config.json'}: not a JSON object; {_DAMAGED}")
+        raise InputError(f"{Path(model_dir) / 'config.json'}: not a JSON object; {_DAMAGED}")
     return c
 
 
@@ -235,7 +236,7 @@ def probe_completion(
     )
 
 # %% ../nbs/04_target.ipynb #4eb27170
-class TargetCheckFailed(AssertionError):
+class TargetCheckFailed(UserError, AssertionError):
     "The target or its server disagrees with what training assumes"
 
 

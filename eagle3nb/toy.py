@@ -17,6 +17,7 @@ import base64, hashlib, json, math, os, re, shutil, tempfile
 from dataclasses import asdict, dataclass, fields, replace
 from importlib.resources import files
 from pathlib import Path
+from .recipe import InputError
 
 # %% ../nbs/02_toy.ipynb #2bd28c3f
 PKG = Path(files('eagle3nb'))  # the installed package folder
@@ -42,7 +43,7 @@ def toy_corpus() -> str:
     b = CORPUS.read_bytes()
     got = hashlib.sha256(b).hexdigest()
     if got != CORPUS_SHA256:
-        raise ValueError(
+        raise InputError(
             f"{CORPUS} has sha256 {got[:12]}..., expected {CORPUS_SHA256[:12]}...; "
             "a new corpus needs a new CORPUS_SHA256 and new toy versions"
         )
@@ -233,7 +234,7 @@ TOYS.update({t.name: t for t in map(_k25, [TOYS['kimi-tiny'], TOYS['kimi-tiny-tr
 def toy_spec(name: str) -> ToySpec:
     "The spec of toy `name`"
     if name not in TOYS:
-        raise ValueError(f"unknown toy {name!r}; known toys: {', '.join(TOYS)}")
+        raise InputError(f"unknown toy {name!r}; known toys: {', '.join(TOYS)}")
     return TOYS[name]
 
 # %% ../nbs/02_toy.ipynb #b8cb3aa9

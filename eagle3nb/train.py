@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file, load_file
 from .draft import Eagle3Draft, draft_target_ids, new_draft
 from .store import dequantize
+from .recipe import InputError, UserError
 
 # %% ../nbs/61_train.ipynb #5cf5b595
 def _restrict(z: torch.Tensor, tids, t2d):  # z (n, V) logits -> p (n, Vd), ok (n,)
@@ -337,7 +338,7 @@ def latest_checkpoint(run_dir) -> Path | None:
     return steps[max(steps)] if steps else None
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     "A checkpoint this run cannot resume from; the message names it and what to do"
 
 
@@ -397,7 +398,7 @@ def load_checkpoint(d, draft: Eagle3Draft, opt=None, sched=None) -> dict:
     st = _read_state(Path(d))
     _load_weights(Path(d), draft)
     if opt is not None and _sharded_state(st):
-        raise ValueError(
+        raise InputError(
             f"{d} was written by an FSDP run (train(..., fsdp=True) under torchrun); resume it the same way"
         )
     if opt is not None:
@@ -448,7 +449,7 @@ def load_sharded_checkpoint(d, net: nn.Module, opt, sched, ref: Eagle3Draft = No
     sd = load_file(str(Path(d) / 'model.safetensors'))
     st = _read_state(Path(d))
     if not _sharded_state(st):
-        raise ValueError(f"{d} was written by a single-process or DDP run; resume it without fsdp=True")
+        raise InputError(f"{d} was written by a single-process or DDP run; resume it without fsdp=True")
     full = StateDictOptions(full_state_dict=True)
     set_model_state_dict(net, {f'draft.{k}': v for k, v in sd.items()}, options=full)
     set_optimizer_state_dict(net, opt, st['optimizer'], options=full)
@@ -460,7 +461,7 @@ def load_sharded_checkpoint(d, net: nn.Module, opt, sched, ref: Eagle3Draft = No
     return st
 
 # %% ../nbs/61_train.ipynb #07e3229f
-class Diverged(FloatingPointError):
+class Diverged(UserError, FloatingPointError):
     "The draft's weights went non-finite: the run stops before saving them; the message says what is kept"
 
 

@@ -19,6 +19,7 @@ from .engine import verify_at, verify_served, SILENT_SIGNS
 from .phase import EngineSession
 from .train import evaluate, target_tensors
 from .export import read_checkpoint
+from .recipe import InputError
 
 # %% ../nbs/72_verify.ipynb #8aff4138
 def _ids(rec, tok) -> list:  # `tok`: called to get the tokenizer, only when a line needs it
@@ -30,7 +31,7 @@ def _ids(rec, tok) -> list:  # `tok`: called to get the tokenizer, only when a l
         [dict(role='user', content=rec['prompt'])] if isinstance(rec.get('prompt'), str) else None
     )
     if not msgs:
-        raise ValueError(f"a prompt line needs prompt_token_ids, prompt (text) or messages; got keys {sorted(rec)}")
+        raise InputError(f"a prompt line needs prompt_token_ids, prompt (text) or messages; got keys {sorted(rec)}")
     return list(tok().apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
@@ -56,10 +57,10 @@ def read_prompts(
         try:
             recs.append(json.loads(l))
         except json.JSONDecodeError as e:
-            raise ValueError(f"{p}: not valid JSON (line {k}): {e.msg}; {what}") from None
+            raise InputError(f"{p}: not valid JSON (line {k}): {e.msg}; {what}") from None
     recs = recs[:n]
     if not recs:
-        raise ValueError(f"{p} holds no prompts (one JSON object a line)")
+        raise InputError(f"{p} holds no prompts (one JSON object a line)")
     from functools import cache
 
     tok = cache(lambda: AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code))
@@ -90,7 +91,7 @@ def dataset_prompts(recipe, n: int = 16, splits=('eval', 'train')) -> tuple:  # 
         if len(prompts) == n:
             break
     if not prompts:
-        raise ValueError(f"{d} has no sample with a supervised completion to prompt with")
+        raise InputError(f"{d} has no sample with a supervised completion to prompt with")
     return prompts, names
 
 
@@ -270,7 +271,7 @@ def verify(
     try:
         if speculative_url or baseline_url:
             if not (speculative_url and baseline_url):
-                raise ValueError('give both the baseline URL (the target alone) and the speculative URL, or neither')
+                raise InputError('give both the baseline URL (the target alone) and the speculative URL, or neither')
             r = verify_at(es, draft_dir, prompts, baseline_url, speculative_url, max_tokens, k, datasets)
         else:
             r = verify_served(es, draft_dir, prompts, max_tokens, k, mla_disable, log_dir, python, datasets)
@@ -455,7 +456,7 @@ def verify_cli(
         if not (Path(p) / 'config.json').is_file():
             raise FileNotFoundError(f"{what} {p}: no config.json there (an exported draft / a model folder)")
     if not (prompts or recipe):
-        raise ValueError("give --prompts FILE (JSONL) or --recipe RECIPE (its eval split) to verify on")
+        raise InputError("give --prompts FILE (JSONL) or --recipe RECIPE (its eval split) to verify on")
     ps, names = (read_prompts(prompts, target, n, trust_remote_code), None) if prompts else dataset_prompts(recipe, n)
     trc = trust_remote_code
     urls = dict(baseline_url=baseline, speculative_url=speculative)

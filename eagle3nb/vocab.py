@@ -13,6 +13,7 @@ import hashlib, json, shutil, time
 from pathlib import Path
 import numpy as np
 import torch
+from .recipe import InputError
 
 # %% ../nbs/45_vocab.ipynb #f47198d6
 DRAFT_VOCAB = 32_000  # EAGLE-3's usual draft vocabulary size (K)
@@ -45,7 +46,7 @@ def count_tokens(
     for batch in ds.with_format('arrow').iter(batch_size=batch_size):
         ids = masked_ids(batch)
         if len(ids) and (ids.max() >= n_target or ids.min() < 0):
-            raise ValueError(
+            raise InputError(
                 f'token id {int(ids.max())} outside the target vocabulary of {n_target}: wrong target or tokenizer?'
             )
         counts += np.bincount(ids, minlength=n_target)
@@ -83,11 +84,11 @@ def vocab_maps(
 def check_maps(d2t: torch.Tensor, t2d: torch.Tensor):
     "Raise unless `d2t` and `t2d` describe the same ascending set of target ids"
     if d2t.dtype != torch.int64 or t2d.dtype != torch.bool:
-        raise ValueError(f'd2t must be int64 and t2d bool, got {d2t.dtype}, {t2d.dtype}')
+        raise InputError(f'd2t must be int64 and t2d bool, got {d2t.dtype}, {t2d.dtype}')
     if int(t2d.sum()) != len(d2t):
-        raise ValueError(f't2d marks {int(t2d.sum())} ids, d2t has {len(d2t)}')
+        raise InputError(f't2d marks {int(t2d.sum())} ids, d2t has {len(d2t)}')
     if not torch.equal(torch.arange(len(d2t)) + d2t, t2d.nonzero().flatten()):
-        raise ValueError('d2t and t2d disagree on the chosen ids')
+        raise InputError('d2t and t2d disagree on the chosen ids')
 
 # %% ../nbs/45_vocab.ipynb #15960fb4
 def special_token_ids(tok, tokens: list) -> dict:  # token -> id, for those `tok` encodes as a single id
@@ -108,7 +109,7 @@ def force_include(
     "Top `k` of `order`, with each missing `required` id replacing the lowest-ranked chosen id that is not required"
     req = sorted(set(int(i) for i in required))
     if len(req) > k:
-        raise ValueError(
+        raise InputError(
             f'{len(req)} special tokens must be in the draft vocabulary but K is only {k}; raise draft_vocab'
         )
     chosen = [int(i) for i in order[:k]]
@@ -167,7 +168,7 @@ def build_vocab(
     "Draft vocabulary of size min(k, V) with every supervised special token forced in"
     n_target, total = len(counts), int(counts.sum())
     if total == 0:
-        raise ValueError(
+        raise InputError(
             'no supervised tokens: the train split is empty or has no loss-mask positions; run merge first'
         )
     k = min(int(k), n_target)
@@ -237,11 +238,11 @@ def _tensor(f: Path, what: str) -> torch.Tensor:
     try:
         x = torch.load(f, map_location='cpu', weights_only=True)
     except Exception as e:  # not a torch file, truncated, or a pickle of more than tensors
-        raise ValueError(
+        raise InputError(
             f"{f}: torch cannot read it as a tensor ({type(e).__name__}); save {what} with torch.save"
         ) from None
     if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{f}: holds a {type(x).__name__}, not a tensor; save {what} with torch.save")
+        raise InputError(f"{f}: holds a {type(x).__name__}, not a tensor; save {what} with torch.save")
     return x
 
 # %% ../nbs/45_vocab.ipynb #3e1afcad
@@ -277,15 +278,15 @@ def read_maps(
     fd, ft = Path(src) / 'd2t.pt', Path(src) / 't2d.pt'
     d2t, t2d = _tensor(fd, 'd2t (int64, one offset per draft id)'), _tensor(ft, 't2d (bool, one per target id)')
     if d2t.dtype != torch.int64 or d2t.ndim != 1 or not len(d2t):
-        raise ValueError(f"{fd}: d2t must be a non-empty 1-D int64 tensor, not {d2t.dtype} of shape {tuple(d2t.shape)}")
+        raise InputError(f"{fd}: d2t must be a non-empty 1-D int64 tensor, not {d2t.dtype} of shape {tuple(d2t.shape)}")
     if t2d.dtype != torch.bool or t2d.ndim != 1:
-        raise ValueError(f"{ft}: t2d must be a 1-D bool tensor, not {t2d.dtype} of shape {tuple(t2d.shape)}")
+        raise InputError(f"{ft}: t2d must be a 1-D bool tensor, not {t2d.dtype} of shape {tuple(t2d.shape)}")
     if len(t2d) != n_target:
-        raise ValueError(
+        raise InputError(
             f"{ft}: {len(t2d)} entries, but the target has {n_target} ids: a vocabulary of another target?"
         )
     if why := maps_problem(d2t, t2d):
-        raise ValueError(
+        raise InputError(
             f"{fd} and {ft} disagree: {why}; save both from the same ids (`vocab.vocab_maps`), "
             "or drop from_dir to count a new vocabulary"
         )
@@ -363,7 +364,7 @@ def _reuse_params(
             f"phases.vocab.from_dir: {src} has no {' or '.join(missing)}: a vocabulary to reuse has both"
         )
     if src == mine or mine in src.parents:
-        raise ValueError(
+        raise InputError(
             f"phases.vocab.from_dir: {src} is inside {out}, the folder the vocab phase replaces; copy the vocabulary "
             "to a folder of its own and give that (or drop from_dir: the vocabulary there is kept while it matches)"
         )

@@ -1498,7 +1498,42 @@ def cases() -> list:
             [f'phases.plan.{k}', 'greater than'],
             lambda d, S, k=k, v=v: recipe(d, S['toy'], phases=dict(plan={k: v})),
         )
+
+    # -- round three: errors sorted by who caused them, not by type: the target's own code that raises is named
+    for where, code_ in (
+        ('at import', 'raise ValueError("tiktoken.model: not found")\n'),
+        (
+            'in __init__',
+            'from transformers import PreTrainedTokenizer\n\n\nclass BadTokenizer(PreTrainedTokenizer):\n'
+            '    def __init__(self, *a, **k):\n        raise RuntimeError("no vocab")\n',
+        ),
+    ):
+        add(
+            f'render a target whose own tokenizer code raises {where}',
+            lambda d, S: [
+                'render',
+                '--target',
+                d / 't',
+                '--input',
+                d / 'c.jsonl',
+                '--out',
+                d / 'r',
+                '--trust-remote-code',
+            ],
+            1,
+            ["the target's own code", 'tokenization_bad.py:', 'trust_remote_code'],
+            lambda d, S, c=code_: (rin(d, S, [ok_conv]), remote_code_target(S['toy'], d / 't', c)),
+        )
     return C
+
+
+def remote_code_target(toy: Path, d: Path, code: str):
+    "A copy of `toy` whose tokenizer is its own code (`tokenization_bad.py`, holding `code`), as Kimi-K2.5 ships one"
+    shutil.copytree(toy, d)
+    (d / 'tokenization_bad.py').write_text(code)
+    tc = json.loads((d / 'tokenizer_config.json').read_text())
+    tc['auto_map'] = {'AutoTokenizer': ['tokenization_bad.BadTokenizer', None]}
+    (d / 'tokenizer_config.json').write_text(json.dumps(tc))
 
 
 def _command_lines(text: str) -> list:

@@ -10,6 +10,7 @@ from pathlib import Path
 from pydantic import Field
 from ..phase import Params as _Params, Record as _Record, RunContext, phase
 from ..recipe import role
+from ..recipe import InputError
 
 # %% ../../nbs/96_phases/70_export.ipynb #30c0fa39
 class Params(_Params):
@@ -80,7 +81,7 @@ def run(ctx: RunContext, p: Params) -> Record:
     print(f"exporting {ck} ({choice['rule']}): {choice['why']}")
     cfg = export_draft(ck, out, ctx.target, choice=choice, **kw)
     if problems := check_export(out):
-        raise ValueError(f'{out}: the export fails its checks: {problems}')
+        raise InputError(f'{out}: the export fails its checks: {problems}')
     launch = role(ctx.recipe, 'draft').launch  # the serving settings, declared once in the recipe
     launch = launch.model_copy(update=dict(tp=p.tp)) if p.tp else launch
     kw = dict(launch=launch, num_steps=p.num_steps, topk=p.topk, thinking=ctx.recipe.target.thinking)

@@ -10,6 +10,7 @@ __all__ = ['SMOKE_SAMPLES', 'ENGINES', 'COLUMNS', 'Params', 'Record', 'smoke_cor
 from pathlib import Path
 from pydantic import Field
 from ..phase import Params as _Params, Record as _Record, RunContext, phase, write_record
+from ..recipe import InputError
 
 # %% ../../nbs/96_phases/50_extract.ipynb #3cd64fd2
 class Params(_Params):
@@ -110,7 +111,7 @@ def run(ctx: RunContext, p: Params) -> Record:
     from eagle3nb.store import MODES
 
     if p.engine not in ENGINES:
-        raise ValueError(f"engine {p.engine!r}: use hf, vllm or sglang")
+        raise InputError(f"engine {p.engine!r}: use hf, vllm or sglang")
     modes = p.modes or (','.join(MODES) if ctx.smoke else 'bf16')
     t0, dm = time.perf_counter(), None  # dm: the HF path's device map
     if ctx.smoke:

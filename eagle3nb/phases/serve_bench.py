@@ -11,6 +11,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 from ..phase import Params as _Params, Record as _Record, RunContext, phase
 from ..engine import engine_available, mla_disable_for
+from ..recipe import InputError
 
 # %% ../../nbs/96_phases/80_serve_bench.ipynb #3e13b1ed
 class Params(_Params):
@@ -33,7 +34,7 @@ class Params(_Params):
     @classmethod
     def _max_k(cls, v: int) -> int:
         if v == 1 or v < 0:
-            raise ValueError(f'{v}: give 0 (no recommendation) or a k of 2 or more')
+            raise InputError(f'{v}: give 0 (no recommendation) or a k of 2 or more')
         return v
 
 
@@ -255,7 +256,7 @@ def run(ctx: RunContext, p: Params) -> Record:
     if not prompts and not ctx.recipe.datasets:
         return Record(skipped='the recipe lists no datasets, so there are no eval prompts')
     if not prompts:
-        raise ValueError('no prompts: the corpus has no eval split and nothing is prepared; run phases 10-40 first')
+        raise InputError('no prompts: the corpus has no eval split and nothing is prepared; run phases 10-40 first')
     base, spec, engine = endpoints(ctx, p, export)
     if engine:  # the verify phase's prompts, as token ids: the two accept lengths compare
         prompts = recipe_prompts(ctx.recipe, p.n_prompts)

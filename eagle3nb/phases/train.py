@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from pydantic import Field, field_validator, model_validator
 from ..phase import Params as _Params, Record as _Record, RunContext, phase
 from ..recipe import write_json
+from ..recipe import InputError
 
 # %% ../../nbs/96_phases/60_train.ipynb #826662ca
 ZERO_MEANS = dict(  # parameter left at 0 -> (the smoke run's value, a recipe's)
@@ -65,7 +66,7 @@ class Params(_Params):
         from eagle3nb.store import MODES
 
         if v and v not in MODES:
-            raise ValueError(f"{v!r} is no store: give one of {', '.join(MODES)}, or leave it empty (whichever exists)")
+            raise InputError(f"{v!r} is no store: give one of {', '.join(MODES)}, or leave it empty (whichever exists)")
         return v
 
     @field_validator('draft')
@@ -78,7 +79,7 @@ class Params(_Params):
     @model_validator(mode='after')
     def _served_every(self):
         if self.served_eval_every and self.ckpt_every and self.served_eval_every % self.ckpt_every:
-            raise ValueError(
+            raise InputError(
                 f'served_eval_every {self.served_eval_every} is not a multiple of ckpt_every {self.ckpt_every}: '
                 'the engine serves checkpoints'
             )
@@ -88,7 +89,7 @@ class Params(_Params):
     @classmethod
     def _mask_rule(cls, v: str) -> str:
         if v not in ('inference', 'eagle3'):
-            raise ValueError(f"{v!r}: use 'inference' or 'eagle3'")
+            raise InputError(f"{v!r}: use 'inference' or 'eagle3'")
         return v
 
 # %% ../../nbs/96_phases/60_train.ipynb #4bdb329b
@@ -332,7 +333,7 @@ def run(ctx: RunContext, p: Params) -> Record:
     t0 = time.time()
     kw = dict(eval_samples=inp.eval, lm_head=inp.lm_head, device=ctx.device, dataset_of=inp.dataset_of, log=say)
     if p.served_eval_every % cfg.ckpt_every:
-        raise ValueError(f'served_eval_every {p.served_eval_every} is not a multiple of ckpt_every {cfg.ckpt_every}')
+        raise InputError(f'served_eval_every {p.served_eval_every} is not a multiple of ckpt_every {cfg.ckpt_every}')
     hook = served_eval(ctx, inp, p, cfg.max_steps, say) if p.served_eval_every and ctx.rank == 0 else None
     if isinstance(hook, str):
         say(f'served_eval_every {p.served_eval_every}: nothing served: {hook}')
