@@ -1,8 +1,8 @@
 """Throw the bad inputs of `tests/test_bad_input.py` at every `eagle3nb` verb and count the outcomes per kind:
 clear (exit code and a one-line message naming the thing), vague, traceback, silent (exit 0), data lost (a file that
-was there before changed or went away). `python bench/bad_inputs.py` prints one line per case and the counts."""
+was there before changed or went away). `python bench/bad_inputs.py` prints one line per case and the counts (`-k TEXT`: only the cases named so)."""
 
-import os, shutil, sys, tempfile
+import argparse, os, shutil, sys, tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -34,10 +34,15 @@ def _last(res) -> str:
     return lines[0]
 
 
-def main():
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument('-k', default='', help='only the cases whose name holds this text')
+    a = ap.parse_args(argv)
     base = Path(tempfile.mkdtemp(prefix='e3nb-bad-'))
     S, n = build_shared(base, toy=os.environ.get('E3NB_TOY')), Counter()
     for i, c in enumerate(cases()):
+        if a.k not in c['name']:
+            continue
         cat, res = run_case(c, S, base / f'c{i:02d}')
         n[cat] += 1
         print(f"{cat:10s} rc={res['code']} {c['name']}: {_last(res)[:150]}", flush=True)
