@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # the line make prints when it starts each step of `make test`, in order (Makefile)
 STEPS = [
-    ('venvs', re.compile(r'^(test -x \.venv/bin/python|\.venv/bin/pip|engine 1/4)')),
+    ('venvs', re.compile(r'^(test -x \.venv/bin/python|\.venv/bin/pip|engine 1/4|engine sglang 1/3)')),
     ('format + export checks', re.compile(r'^(\.venv/bin/ruff format --check|@?\.venv/bin/nbdev_export)')),
     ('notebooks (nbdev_test)', re.compile(r'^\.venv/bin/nbdev_test')),
     ('docs', re.compile(r'^rm -rf _proc')),
