@@ -57,6 +57,8 @@ def parameters_source(P: type) -> str:
     "The source of a phase notebook's `parameters` cell: `recipe`, `run_dir`, then every field of `P`"
     lines = [f"{k}: str = ''  # {h}" for k, h in RUN_FIELDS]
     for k, f in P.model_fields.items():
+        # papermill skips a parameter line with a second '=' (it warns "Unable to parse line"): none in the help
+        assert '=' not in (f.description or ''), f"{P.__module__}.{k}: reword its description without '='"
         lines.append(
             f"{k}: {type_name(f.annotation)} = {f.get_default(call_default_factory=True)!r}  # {f.description}"
         )

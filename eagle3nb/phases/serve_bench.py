@@ -27,7 +27,7 @@ class Params(_Params):
     num_speculative_tokens: int = Field(3, description='k of the vLLM speculative server')
     max_k: int = Field(
         5,
-        description='recommend num_speculative_tokens up to k: k = 1 and k served, then the best and neighbours; 0: none',
+        description='recommend num_speculative_tokens up to k (1 and k served, then the best and neighbours); 0: none',
     )
 
     @field_validator('max_k')
