@@ -429,8 +429,8 @@ def summary_table(run_dir, stems=None):  # -> pandas.DataFrame
 
 
 def markdown_table(df) -> str:
-    "A pipe table of `df` (what `summary.md` holds)"
-    cell = lambda v: '' if v is None or v != v else str(v).replace('|', '\\|')
+    "A pipe table of `df` (what `summary.md` holds); a float to 3 decimals (an accept length of 1.7886597 is 1.789)"
+    cell = lambda v: '' if v is None or v != v else str(round(v, 3) if isinstance(v, float) else v).replace('|', '\\|')
     head = ['| ' + ' | '.join(df.columns) + ' |', '|' + '---|' * len(df.columns)]
     body = ['| ' + ' | '.join(cell(v) for v in r) + ' |' for r in df.itertuples(index=False)]
     return '\n'.join(head + body) + '\n'
