@@ -741,10 +741,10 @@ def pretrain(spec: ToySpec, tok, m) -> dict:  # held-out perplexity before/after
 # %% ../nbs/02_toy.ipynb #2230df2b
 def toy_key(spec: ToySpec) -> str:
     "Content hash of everything that determines a trained toy's weights"
-    import torch
+    from importlib.metadata import version  # torch's, without importing it (every phase asks, most need no torch)
 
     docs = stdlib_docs()[0]
-    parts = [json.dumps(asdict(spec), sort_keys=True, default=str), CORPUS_SHA256, torch.__version__.split('+')[0]]
+    parts = [json.dumps(asdict(spec), sort_keys=True, default=str), CORPUS_SHA256, version('torch').split('+')[0]]
     if isinstance(spec, K25Spec):
         parts.append(toy_key(toy_spec(spec.text)))  # a repackaged toy: its text toy's key too
     return _sha('\n'.join(parts + [f'{n}:{_sha(t)}' for n, t in docs]))

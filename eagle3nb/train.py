@@ -5,13 +5,13 @@
 # %% auto #0
 __all__ = ['target_dist', 'aux_states', 'collate', 'shift', 'step_targets', 'ttt_mask', 'TTT', 'ttt_loss', 'summarize',
            'add_sums', 'accept_estimate', 'chain_hits', 'accept_lengths', 'evaluate', 'TrainConfig', 'lr_factor',
-           'batch_indices', 'epoch_order', 'next_batch', 'cursor_at', 'save_checkpoint', 'checkpoint_steps',
-           'latest_checkpoint', 'CheckpointError', 'load_checkpoint', 'dist_setup', 'Stopped',
-           'load_sharded_checkpoint', 'Diverged', 'check_finite', 'train', 'read_metrics', 'toy_samples',
+           'epoch_order', 'batch_indices', 'next_batch', 'sample_lengths', 'cursor_at', 'save_checkpoint',
+           'checkpoint_steps', 'latest_checkpoint', 'CheckpointError', 'load_checkpoint', 'dist_setup', 'Stopped',
+           'load_sharded_checkpoint', 'Diverged', 'check_finite', 'Served', 'train', 'read_metrics', 'toy_samples',
            'plot_metrics', 'target_tensors']
 
 # %% ../nbs/61_train.ipynb #040f6913
-import copy, json, math, os, random, shutil, time
+import concurrent.futures, copy, json, math, os, random, shutil, time
 from types import SimpleNamespace
 from dataclasses import dataclass, asdict
 from pathlib import Path
@@ -255,6 +255,7 @@ class TrainConfig:
     eval_every: int = 500  # steps between evaluations (also at the last step)
     log_every: int = 10  # steps between train-metric lines
     seed: int = 0  # data order; the draft's init is seeded separately (new_draft)
+    length_window: int = 64  # samples sorted by length together so a batch of several pads little; 0: plain order
     bf16: bool = True  # autocast to bf16 where the device supports it (CUDA with bf16)
 
 
@@ -265,28 +266,54 @@ def lr_factor(step: int, c: TrainConfig) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - c.warmup_steps) / max(1, c.max_steps - c.warmup_steps))))
 
 # %% ../nbs/61_train.ipynb #8266da75
-def batch_indices(n: int, bs: int, step: int, seed: int = 0, rank: int = 0, world: int = 1) -> tuple:  # indices, epoch
+def epoch_order(
+    n: int,  # samples
+    seed: int,
+    epoch: int,
+    lengths=None,  # each sample's tokens: sort each window of the permutation by them, longest first
+    window: int = 64,  # samples a window
+) -> torch.Tensor:  # (n,) sample indices
+    "Epoch `epoch`'s permutation of `n` samples; with `lengths`, each `window` of it sorted longest first"
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    if lengths is None or window < 2:
+        return perm
+    ls = torch.as_tensor(lengths)[perm]  # (n,) the permuted samples' lengths
+    parts = []
+    for a in range(0, n, window):
+        longest_first = torch.argsort(ls[a : a + window], descending=True, stable=True)
+        parts.append(perm[a : a + window][longest_first])
+    return torch.cat(parts)
+
+
+def batch_indices(
+    n: int, bs: int, step: int, seed: int = 0, rank: int = 0, world: int = 1, lengths=None, window: int = 64
+) -> tuple:  # indices, epoch
     "Sample indices of this rank's share of global batch `step`, and its epoch"
     per_epoch = n // (bs * world)
     assert per_epoch > 0, f"{n} samples cannot fill one batch of {bs} x {world} ranks"
     epoch, j = divmod(step, per_epoch)
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    perm = epoch_order(n, seed, epoch, lengths, window)
     return perm[j * bs * world : (j + 1) * bs * world][rank::world].tolist(), epoch
 
 
-def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
-    "Epoch `epoch`'s permutation of `n` samples"
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-
-
-def next_batch(n: int, bs: int, cursor: tuple, seed: int = 0, rank: int = 0, world: int = 1) -> tuple:
+def next_batch(
+    n: int, bs: int, cursor: tuple, seed: int = 0, rank: int = 0, world: int = 1, lengths=None, window: int = 64
+) -> tuple:
     "This rank's share of the global batch at `cursor` = (epoch, position): (indices, epoch, the cursor after it)"
     G = bs * world
     assert n >= G, f"{n} samples cannot fill one batch of {bs} x {world} ranks"
     epoch, pos = cursor
     if pos + G > n:  # the epoch's tail, shorter than a global batch, is dropped
         epoch, pos = epoch + 1, 0
-    return epoch_order(n, seed, epoch)[pos : pos + G][rank::world].tolist(), epoch, (epoch, pos + G)
+    order = epoch_order(n, seed, epoch, lengths, window)
+    return order[pos : pos + G][rank::world].tolist(), epoch, (epoch, pos + G)
+
+
+def sample_lengths(samples) -> list:  # tokens of each sample
+    "The length of every sample: a store's from its index (nothing read), a list's from its ids"
+    if hasattr(samples, 'rows'):
+        return [r['length'] for r in samples.rows]
+    return [len(s['input_ids']) for s in samples]
 
 
 def cursor_at(n: int, bs: int, step: int, world: int = 1) -> tuple:
@@ -476,6 +503,38 @@ def check_finite(draft: nn.Module, step: int, run_dir):
             f"nothing saved, {kept}; lower phases.train.lr, or check the store's values (store.validate)"
         )
 
+# %% ../nbs/61_train.ipynb #b1a2aebe
+class Served:
+    "The `served` lines of `on_checkpoint`: written at once for a dict, when done for a Future"
+
+    def __init__(self, metrics: Path, hook=None):
+        self.metrics, self.hook, self.pending = metrics, hook, []  # pending: (step, Future)
+
+    def call(self, step: int, ck: Path):
+        if self.hook is None:
+            return
+        r = self.hook(step, ck)
+        if isinstance(r, concurrent.futures.Future):
+            self.pending.append((step, r))
+        elif r:
+            _log(self.metrics, dict(split='served', step=step, **r))
+
+    def collect(self, wait: bool = False):
+        for step, f in list(self.pending):
+            if wait or f.done():
+                self.pending.remove((step, f))
+                if m := f.result():
+                    _log(self.metrics, dict(split='served', step=step, **m))
+
+    def redo(self, run_dir: Path, step: int):  # after a resume at `step`
+        if self.hook is None or not step:
+            return
+        lines = [json.loads(l) for l in self.metrics.read_text().splitlines() if l] if self.metrics.exists() else []
+        done = {m['step'] for m in lines if m.get('split') == 'served'}
+        for s, ck in sorted(checkpoint_steps(run_dir).items()):
+            if s <= step and s not in done:
+                self.call(s, ck)
+
 # %% ../nbs/61_train.ipynb #b52f0e0e
 def train(
     draft: Eagle3Draft,  # a draft from `new_draft` (its init is the run's init)
@@ -488,7 +547,7 @@ def train(
     stop_after: int = None,  # raise `Stopped` after this step (simulated kill)
     dataset_of: dict = None,  # sample_id -> dataset, for per-dataset eval of store rows
     fsdp: bool = False,  # under torchrun: shard the draft with FSDP2 `fully_shard` instead of DDP replication
-    on_checkpoint=None,  # rank 0, after each checkpoint: f(step, folder) -> dict logged as a 'served' line, or None
+    on_checkpoint=None,  # rank 0, after each checkpoint: f(step, folder) -> dict (or a Future of one) or None
     log=print,
 ) -> Eagle3Draft:
     "Train the draft with TTT; resumable bit-for-bit from its checkpoints"
@@ -529,6 +588,7 @@ def train(
 
         remove_stale(run_dir / 'checkpoints', 'train')
     n, cursor = len(train_samples), (0, 0)
+    lengths = sample_lengths(train_samples) if cfg.batch_size > 1 and cfg.length_window > 1 else None
     if (ck := latest_checkpoint(run_dir)) is not None:
         st = load_sharded_checkpoint(ck, net, opt, sched, ref) if sharded else load_checkpoint(ck, draft, opt, sched)
         step, was = st['step'], st.get('world') or world
@@ -536,13 +596,15 @@ def train(
         log(f'resumed from {ck}' + (f' (written on {was} ranks, now {world})' if was != world else ''))
     if rank == 0:
         _trim_log(metrics, step)
+    served = Served(metrics, on_checkpoint if rank == 0 else None)
+    served.redo(run_dir, step)  # a checkpoint whose look from outside a kill cut short is looked at again
     tids, t2d = draft_target_ids(draft), draft.t2d  # on `device`: targets are computed there
     if lm_head is not None:
         lm_head = lm_head.to(device)
     sums, t0, ntok = {}, time.time(), 0  # ntok: tokens trained on since t0, all ranks
     away = 0.0  # seconds spent in `on_checkpoint` since t0: not training time
     while step < cfg.max_steps:
-        idx, epoch, cursor = next_batch(n, cfg.batch_size, cursor, cfg.seed, rank, world)
+        idx, epoch, cursor = next_batch(n, cfg.batch_size, cursor, cfg.seed, rank, world, lengths, cfg.length_window)
         b = collate([train_samples[i] for i in idx], tids, t2d, lm_head)
         with _autocast(device, cfg.bf16):
             logits = net(b)
@@ -600,13 +662,15 @@ def train(
             check_finite(view, step, run_dir)  # a diverged draft is never saved over the last good checkpoint
             ck = save_checkpoint(run_dir, step, view, o, sched, cfg, epoch, cursor, world)
             t1 = time.time()
-            if on_checkpoint is not None and (m := on_checkpoint(step, ck)):  # e.g. the engine serves it
-                _log(metrics, dict(split='served', step=step, **m))
+            served.collect(wait=step == cfg.max_steps)  # the earlier lines first
+            served.call(step, ck)  # e.g. the engine serves it (mid-run, while training goes on)
             away += time.time() - t1
+        served.collect()
         if world > 1:
             torch.distributed.barrier()
         if stop_after is not None and step >= stop_after:
             raise Stopped(f'stopped after step {step}')
+    served.collect(wait=True)
     if sharded:
         return ref if rank == 0 else None  # rank 0: the trained weights, unsharded (gathered at the last step)
     return draft

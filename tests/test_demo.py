@@ -29,7 +29,7 @@ def test_demo_end_to_end(tmp_path, run_id):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=1800,  # a ceiling, not a wait: the demo takes ~15 min on 2 cores
+        timeout=1800,  # a ceiling for a hang, not a wait: the demo's phases take ~8 min on 2 cores
         env={**os.environ, 'OMP_NUM_THREADS': '1'},
     )
     assert p.returncode == 0, p.stderr[-4000:]
@@ -73,14 +73,15 @@ def test_demo_end_to_end(tmp_path, run_id):
     gone = subprocess.run(['pgrep', '-f', f'api_server --model {model} .*--port {port} '], capture_output=True)
     assert gone.returncode == 1, gone.stdout
     # the goal: vLLM accepts the demo's draft on held-out prompts, served accept length within 10% of the offline
-    # estimate, and well above 1 (nothing accepted). The level depends on the CPU the toy was trained on: the same
-    # seeded training gives other weights on another CPU's kernels; served 2.60 where the toy was first built,
-    # 1.84 and 1.87 (the commit before this test changed, too) on another machine of this workplace.
+    # estimate, and at least 2 (1: nothing accepted). The toy's weights follow the CPU it was trained on (the same
+    # seeded training gives other weights on another CPU's kernels): 2.60 where it was first built, 1.78-1.87 here,
+    # when the draft learned the recorded chat sets' answers for 400 steps; once the target answers their prompts
+    # itself (regenerate: once), 1.95-2.62 at 400 steps and 2.87 at 600 (the recipe's).
     v = json.loads((rd / 'verify.json').read_text())
     got = {k: v.get(k) for k in ('accept_length', 'offline_accept_length', 'distinct_tokens', 'total_tokens')}
     assert v['loaded'] and v['greedy_identical'] == v['n_prompts'] == 8, v
     assert (
-        v['accept_length'] >= 1.6
+        v['accept_length'] >= 2.0
         and abs(v['accept_length'] - v['offline_accept_length']) <= 0.1 * v['offline_accept_length']
     ), got
     assert v['distinct_tokens'] / v['total_tokens'] > 0.15, got  # not a 1-2 token loop
@@ -94,9 +95,9 @@ def test_demo_end_to_end(tmp_path, run_id):
     ), sb.get('agreement')
     assert sb['agreement']['max_gap'] <= 0.05 * v['accept_length'], sb['agreement']
     assert 'no guide to GPU speed-up' in sb['note']
-    # the engine served the step-200 checkpoint mid-run and the last, beside the offline eval figure
+    # the engine served the step-300 checkpoint mid-run and the last, beside the offline eval figure
     tr = json.loads((rd / 'train.json').read_text())
-    assert [s['step'] for s in tr['served']] == [200, 400] and all(s['loaded'] for s in tr['served']), tr['served']
+    assert [s['step'] for s in tr['served']] == [300, 600] and all(s['loaded'] for s in tr['served']), tr['served']
     assert all(s['accept_length'] > 1 and s['greedy_identical'] == s['n_prompts'] for s in tr['served']), tr['served']
     # verify: served and offline accept length per dataset of the eval split, counters summing to the whole
     per = {x['dataset']: x for x in v['per_dataset']}
@@ -110,5 +111,5 @@ def test_demo_end_to_end(tmp_path, run_id):
     assert f'"num_speculative_tokens": {rk["k"]}' in sb['launch']['vllm'], sb['launch']  # the launch takes it
     # the summary shows them: the chosen checkpoint, the per-dataset table, the recommendation
     sm = (rd / 'summary.md').read_text()
-    assert 'step 400 (best' in sm or 'step 200 (best' in sm, sm
+    assert 'step 600 (best' in sm or 'step 300 (best' in sm, sm
     assert f"Weakest dataset: **{v['weakest']}**" in sm and f"recommended num_speculative_tokens: {rk['k']}" in sm, sm

@@ -7,7 +7,7 @@ __all__ = ['ZERO_MEANS', 'Params', 'train_config', 'Inputs', 'smoke_inputs', 'ch
            'toy_store', 'accept_rows', 'Record', 'served_prompts', 'served_eval', 'plot_accept', 'run']
 
 # %% ../../nbs/96_phases/60_train.ipynb #f4f12577
-import json, math, time
+import concurrent.futures, json, math, time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -45,6 +45,11 @@ class Params(_Params):
     batch_size: int = Field(0, description=_zero('samples per rank per step', 'batch_size'))
     ckpt_every: int = Field(0, description=_zero('steps between checkpoints', 'ckpt_every'))
     eval_every: int = Field(0, description=_zero('steps between evaluations', 'eval_every'))
+    length_window: int = Field(
+        64,
+        description='samples sorted by length together (as transformers group_by_length) so that a batch of several '
+        'pads little; 0 means a plain random order',
+    )
     mask_rule: str = Field(
         'inference',
         description='TTT attention mask: inference (as engines draft) or eagle3 (see eagle3nb.train)',
@@ -99,7 +104,9 @@ def train_config(p: Params, smoke: bool):  # -> train.TrainConfig
 
     v = {k: getattr(p, k) or ZERO_MEANS[k][0 if smoke else 1] for k in ZERO_MEANS}
     lg = math.gcd(10, v['ckpt_every'])
-    return TrainConfig(ttt_steps=p.ttt_steps, mask_rule=p.mask_rule, log_every=lg, seed=p.seed, **v)
+    return TrainConfig(
+        ttt_steps=p.ttt_steps, mask_rule=p.mask_rule, log_every=lg, seed=p.seed, length_window=p.length_window, **v
+    )
 
 # %% ../../nbs/96_phases/60_train.ipynb #4b789b5b
 @dataclass
@@ -273,9 +280,7 @@ def served_eval(ctx: RunContext, inp: Inputs, p: Params, last: int, say=print): 
     n, max_tokens, k = v.get('n', 8), v.get('max_tokens', 48), v.get('num_speculative_tokens', 3)
     prompts = served_prompts(ctx, inp, n)
 
-    def hook(step: int, ck: Path):
-        if step % p.served_eval_every and step != last:
-            return None
+    def look(step: int, ck: Path) -> dict:
         out = ctx.run_dir / 'served_eval' / ck.name
         root = None if ctx.smoke else ctx.data_root  # a recipe's export records its aux ids and templates
         export_draft(
@@ -290,6 +295,13 @@ def served_eval(ctx: RunContext, inp: Inputs, p: Params, last: int, say=print): 
             f"served eval at step {step}: accept length {r['accept_length']:.2f} at k={k}, greedy {r['greedy_identical']}/{len(prompts)}"
         )
         return dict(**figs, n_prompts=len(prompts), k=k)
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)  # one engine at a time, beside the training
+
+    def hook(step: int, ck: Path):  # mid-run: a Future (training goes on); the last step: the figures
+        if step % p.served_eval_every and step != last:
+            return None
+        return look(step, ck) if step == last else pool.submit(look, step, ck)
 
     return hook
 
