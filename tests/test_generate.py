@@ -613,18 +613,19 @@ def test_policies_by_kind_and_format_in_the_repository_recipes():
     from eagle3nb.recipe import load_recipe
     from eagle3nb.generate import policies
 
-    demo = policies(load_recipe(ROOT / 'recipes' / 'demo.yaml'))
+    r = load_recipe(ROOT / 'recipes' / 'demo.yaml')
+    demo = policies(r)
+    chats = ['sharegpt_vicuna', 'alpaca_demo', 'glaive_toolcall_lf', 'lf_reason_tool_use']
     assert demo == dict(
-        sharegpt_vicuna='turns',
-        alpaca_demo='turns',
-        glaive_toolcall_lf='turns',
-        lf_reason_tool_use='turns',
+        **dict.fromkeys(chats, 'once'),  # their `regenerate: once`: the toy target is no chat model (demo.yaml)
         sweagent='prefix',
         xlam='prefix',
         hermes_kimi='keep',
         alpaca_prompts='once',
         python_prompts='once',
     )
+    by_kind = r.model_copy(update=dict(datasets=[d.model_copy(update=dict(regenerate=None)) for d in r.datasets]))
+    assert policies(by_kind) == {**demo, **dict.fromkeys(chats, 'turns')}  # without it: chats turn by turn
     assert policies(load_recipe(ROOT / 'recipes' / 'kimi-k25-demo.yaml')) == demo
     kimi = policies(load_recipe(ROOT / 'recipes' / 'kimi-k2.5-agentic-100k.yaml'))
     assert (
