@@ -7,7 +7,7 @@ __all__ = ['target_dist', 'aux_states', 'collate', 'shift', 'step_targets', 'ttt
            'add_sums', 'accept_estimate', 'chain_hits', 'accept_lengths', 'evaluate', 'TrainConfig', 'lr_factor',
            'epoch_order', 'batch_indices', 'next_batch', 'sample_lengths', 'cursor_at', 'save_checkpoint',
            'checkpoint_steps', 'latest_checkpoint', 'CheckpointError', 'load_checkpoint', 'dist_setup', 'Stopped',
-           'load_sharded_checkpoint', 'Diverged', 'check_finite', 'Served', 'train', 'read_metrics', 'toy_samples',
+           'load_sharded_checkpoint', 'Diverged', 'check_finite', 'read_metrics', 'Served', 'train', 'toy_samples',
            'plot_metrics', 'target_tensors']
 
 # %% ../nbs/61_train.ipynb #040f6913
@@ -278,11 +278,9 @@ def epoch_order(
     if lengths is None or window < 2:
         return perm
     ls = torch.as_tensor(lengths)[perm]  # (n,) the permuted samples' lengths
-    parts = []
-    for a in range(0, n, window):
-        longest_first = torch.argsort(ls[a : a + window], descending=True, stable=True)
-        parts.append(perm[a : a + window][longest_first])
-    return torch.cat(parts)
+    top = int(ls.max()) + 1
+    key = torch.arange(n) // window * top + (top - 1 - ls)  # by window, then longest first: one sort, no loop
+    return perm[torch.argsort(key, stable=True)]
 
 
 def batch_indices(
@@ -309,11 +307,11 @@ def next_batch(
     return order[pos : pos + G][rank::world].tolist(), epoch, (epoch, pos + G)
 
 
-def sample_lengths(samples) -> list:  # tokens of each sample
+def sample_lengths(samples) -> torch.Tensor:  # (n,) tokens of each sample
     "The length of every sample: a store's from its index (nothing read), a list's from its ids"
     if hasattr(samples, 'rows'):
-        return [r['length'] for r in samples.rows]
-    return [len(s['input_ids']) for s in samples]
+        return torch.tensor([r['length'] for r in samples.rows])
+    return torch.tensor([len(s['input_ids']) for s in samples])
 
 
 def cursor_at(n: int, bs: int, step: int, world: int = 1) -> tuple:
@@ -503,6 +501,11 @@ def check_finite(draft: nn.Module, step: int, run_dir):
             f"nothing saved, {kept}; lower phases.train.lr, or check the store's values (store.validate)"
         )
 
+# %% ../nbs/61_train.ipynb #79396769
+def read_metrics(run_dir) -> list:  # one dict per metrics line
+    p = Path(run_dir) / 'metrics.jsonl'
+    return [json.loads(l) for l in p.read_text().splitlines() if l] if p.exists() else []
+
 # %% ../nbs/61_train.ipynb #b1a2aebe
 class Served:
     "The `served` lines of `on_checkpoint`: written at once for a dict, when done for a Future"
@@ -529,8 +532,7 @@ class Served:
     def redo(self, run_dir: Path, step: int):  # after a resume at `step`
         if self.hook is None or not step:
             return
-        lines = [json.loads(l) for l in self.metrics.read_text().splitlines() if l] if self.metrics.exists() else []
-        done = {m['step'] for m in lines if m.get('split') == 'served'}
+        done = {m['step'] for m in read_metrics(run_dir) if m.get('split') == 'served'}
         for s, ck in sorted(checkpoint_steps(run_dir).items()):
             if s <= step and s not in done:
                 self.call(s, ck)
@@ -588,7 +590,8 @@ def train(
 
         remove_stale(run_dir / 'checkpoints', 'train')
     n, cursor = len(train_samples), (0, 0)
-    lengths = sample_lengths(train_samples) if cfg.batch_size > 1 and cfg.length_window > 1 else None
+    grouped = cfg.batch_size > 1 and cfg.length_window > 1  # a batch of one sample pads nothing
+    lengths = sample_lengths(train_samples) if grouped else None
     if (ck := latest_checkpoint(run_dir)) is not None:
         st = load_sharded_checkpoint(ck, net, opt, sched, ref) if sharded else load_checkpoint(ck, draft, opt, sched)
         step, was = st['step'], st.get('world') or world
@@ -674,11 +677,6 @@ def train(
     if sharded:
         return ref if rank == 0 else None  # rank 0: the trained weights, unsharded (gathered at the last step)
     return draft
-
-# %% ../nbs/61_train.ipynb #79396769
-def read_metrics(run_dir) -> list:  # one dict per metrics line
-    p = Path(run_dir) / 'metrics.jsonl'
-    return [json.loads(l) for l in p.read_text().splitlines() if l] if p.exists() else []
 
 # %% ../nbs/61_train.ipynb #13e133fd
 @torch.no_grad()
