@@ -774,9 +774,10 @@ def counters_between(ep, a: dict, b: dict, metas: list = None) -> dict:
 
 def _compare(spec, base, prompts: list, max_tokens: int, out: dict, groups: list = None) -> dict:
     "Greedy ids of both endpoints, and the speculative server's counters over its own requests, per group too"
-    srv = spec.server  # None: a server the user runs (`verify_at`)
+    srv = spec.server  # None: a server the user runs (`verify_at`), or the run's own (its log known)
     ready = round(srv.ready_s, 1) if srv else None
-    out = {**out, 'loaded': True, 'ready_s': ready, 'warnings': _warnings(srv.log_path) if srv else []}
+    log = srv.log_path if srv else getattr(spec, 'log', None)
+    out = {**out, 'loaded': True, 'ready_s': ready, 'warnings': _warnings(log) if log else []}
     out['engine'] = spec.engine
     want = _greedy(base, prompts, max_tokens)[0]
     groups = groups or ['all'] * len(prompts)
@@ -892,7 +893,7 @@ def verify_served(
     out = dict(loaded=False, error=None, n_prompts=len(prompts), k=k)
     # the speculative server is launched first, then the baseline asked for: both start at once
     spec = engines.speculative(draft_dir, k, mla_disable, wait=False, python=python)
-    logs = {'spec.log': spec.server.log_path}
+    logs = {'spec.log': spec.server.log_path} if spec.server else {}  # (the run's own: its log is in place)
     try:
         base = engines.baseline(mla_disable, python)
         if base.server is not None:

@@ -410,6 +410,7 @@ class Endpoint:
     how: str = 'started'  # started (here), reused (the run's own), recipe (the recipe's endpoints or a URL given)
     engine: str | None = None  # vllm, sglang, transformers, or None when unknown (a recipe's endpoint)
     server: Any = None  # the `LocalServer` / `VllmServer` / `SglangServer` when started here
+    log: str | None = None  # the log of a server started elsewhere, where known (the run's own server of its export)
 
 # %% ../nbs/06_phase.ipynb #429ff8e5
 class EngineSession:
@@ -478,6 +479,8 @@ def start(self: EngineSession, srv, how: str = 'started', engine: str = None, wa
 @patch
 def wait(self: EngineSession, ep: Endpoint) -> Endpoint:
     "`ep` once its server answers; a server that fails to start is stopped here and its error raised"
+    if ep.server is None:  # pointed at (the recipe's, the run's own): it answered when pointed at
+        return ep
     try:
         ep.server.wait_ready()
     except BaseException:
@@ -642,7 +645,11 @@ def speculative(
     "The target with `draft` as its speculator, `k` tokens a round, started here in the session's engine"
     from eagle3nb.engine import SglangServer, VllmServer
 
-    log = self._log('engine_speculative.log')
+    own = role(self.r, 'draft').served_here  # the run's own server of its export (the runner's, for two phases)
+    same = own and Path(own['export']) == Path(draft).resolve() and int(own['k']) == int(k)
+    if same and not mla_disable and python is None and not flags:
+        return Endpoint(**{**vars(self.point(own['url'])), 'how': 'reused', 'engine': self.kind, 'log': own.get('log')})
+    log = flags.pop('log_path', None) or self._log('engine_speculative.log')
     flags = {'launch': role(self.r, 'draft').launch, **self.engine_flags, **self._py(python), **flags}
     if self.kind == 'sglang':  # its flags are `launch_sglang.sh`'s (`engine.sglang_spec_flags`)
         srv = SglangServer(self.target_dir, draft=Path(draft).resolve(), k=int(k), log_path=log, **flags)

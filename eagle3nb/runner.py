@@ -6,7 +6,7 @@
 __all__ = ['RESERVED', 'repo_root', 'phase_notebooks', 'phase_key', 'select_phases', 'param_problem', 'phase_of',
            'check_phase_params', 'check_recipe', 'load_state', 'save_state', 'set_aside', 'PhaseFailed',
            'kernel_manager', 'execute_phase', 'rank_record', 'rank_main', 'served_phases', 'headline', 'summary_table',
-           'markdown_table', 'summary_details', 'run', 'RunInterrupted']
+           'markdown_table', 'summary_details', 'run', 'own_draft', 'drop_own_draft', 'RunInterrupted']
 
 # %% ../nbs/98_runner.ipynb #c5a40c06
 import datetime, json, os, shlex, signal, sys, tempfile, threading, time
@@ -515,6 +515,47 @@ def run(
         finally:
             _reap(tag, 'this run')
 
+# %% ../nbs/98_runner.ipynb #60d76db3
+def own_draft(ctx: RunContext, todo: list):  # -> Endpoint | None (launched, not waited for)
+    "Launch the one server of the export that the verify and serve-bench phases in `todo` would each start"
+    from eagle3nb.engine import mla_disable_for
+    from eagle3nb.phases import serve_bench, verify
+
+    r, keys = ctx.recipe, [phase_key(s) for s in todo]
+    if not ('verify' in keys and 'serve_bench' in keys and r.target.served_here) or r.serving.draft.baseline:
+        return None
+    v = verify.Params(**r.phases.get('verify', {}))
+    b = serve_bench.Params(**r.phases.get('serve_bench', {}))
+    export, k = ctx.data_root / 'export', v.num_speculative_tokens
+    theirs = any((v.export, v.engine, v.baseline, v.speculative, b.export, b.engine, b.baseline, b.speculative))
+    if theirs or b.num_speculative_tokens != k or not (export / 'config.json').exists():
+        return None
+    if not ctx.engines.available() or (ctx.engines.kind == 'vllm' and mla_disable_for(ctx.target, export)):
+        return None
+    log = ctx.run_dir / 'engine_logs' / 'spec.log'  # where verify keeps the log of the server it starts
+    log.parent.mkdir(exist_ok=True)
+    ep = ctx.engines.speculative(export, k, wait=False, log_path=log)
+    r.serving.draft.served_here = dict(url=ep.base_url, export=str(export.resolve()), k=k, log=str(log))
+    return ep
+
+
+def _ready(ctx: RunContext, ep):  # -> Endpoint | None
+    "`ep` (`own_draft`'s) once it answers; None without one, or when it failed: each phase then starts its own"
+    if ep is None:
+        return None
+    try:
+        return ctx.engines.wait(ep)  # (stopped there when it failed)
+    except Exception as e:
+        _tell(f'the run could not serve its export ({e}); verify and serve-bench each start a server of it')
+        ctx.recipe.serving.draft.served_here = {}
+        return None
+
+
+def drop_own_draft(ctx: RunContext, ep):
+    "Stop the run's own server of the export, and forget it"
+    ctx.recipe.serving.draft.served_here = {}
+    ctx.engines.stop(ep)
+
 # %% ../nbs/98_runner.ipynb #d3218b96
 def _fingerprint_base(r: Recipe) -> dict:
     "What of `r` a phase's fingerprint covers: all but the phases' parameters (another phase's do not matter here)"
@@ -563,13 +604,23 @@ def _run_held(recipe, r, run_id, run_dir, nbs, sel, serve, stream, nproc=1) -> P
         frozen = save_recipe(rr, run_dir / 'recipe.yaml')
         if any(phase_key(s) != 'plan' for s in todo):
             _plan(rr, run_dir, recipe, 'before the first phase')
+        draft = None  # the run's own server of its export (`own_draft`)
         for s in (bar := tqdm(sel, desc='phases', unit='phase', file=sys.stderr)):
             bar.set_postfix_str(s)
             if s not in todo:
                 _tell(f'skip {s}: completed with the same parameters')
                 continue
-            n = nproc if phase_key(s) == 'train' else 1
-            _run_one(s, nbs[s], run_dir, frozen, rr.phases.get(phase_key(s), {}), fps[s], state, stream, n)
+            key, ahead = phase_key(s), todo[todo.index(s) :]
+            if key in ('verify', 'serve_bench'):
+                draft = _ready(ctx, draft or own_draft(ctx, ahead))
+                frozen = save_recipe(rr, run_dir / 'recipe.yaml')
+            n = nproc if key == 'train' else 1
+            _run_one(s, nbs[s], run_dir, frozen, rr.phases.get(key, {}), fps[s], state, stream, n)
+            if key == 'export':  # its start-up overlaps the next phases
+                draft = own_draft(ctx, ahead[1:])
+            if draft and not {'verify', 'serve_bench'} & {phase_key(t) for t in ahead[1:]}:
+                draft = drop_own_draft(ctx, draft)
+                frozen = save_recipe(rr, run_dir / 'recipe.yaml')
     if todo and phase_key(todo[-1]) != 'plan':  # the plan phase, run last, wrote the closing one itself
         _plan(rr, run_dir, recipe, 'at the end')
     _tell(f'run {run_id}: {len(sel)} phase(s) done; records in {run_dir}')

@@ -318,7 +318,11 @@ def verify_rows(
                 'FAIL' if bad else 'ok',
                 ' | '.join(bad)
                 if bad
-                else (f"ready in {r['ready_s']} s" if r.get('started', True) else f"served at {r['speculative']}")
+                else (
+                    f"served at {r['speculative']}"
+                    if not r.get('started', True)
+                    else (f"ready in {r['ready_s']} s" if r['ready_s'] is not None else "the run's own server")
+                )
                 + (f"; engine warnings: {' | '.join(r['warnings'])}" if r.get('warnings') else ''),
             )
         )

@@ -90,6 +90,7 @@ def test_demo_end_to_end(tmp_path, run_id):
     assert (
         sb['engine'] == 'vllm'
         and sb['baseline_reused']
+        and sb['speculative_reused']  # the run's own server of the export: verify measured on it too
         and not sb['plumbing_check']
         and sb['agreement']['same_prompts']
     ), sb.get('agreement')

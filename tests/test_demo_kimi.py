@@ -56,6 +56,9 @@ def test_kimi_k25_demo_end_to_end(tmp_path, run_id):
         assert d['encoding'].startswith('fast twin') and d['fallback']['conversations'] == 0, (name, d)
     # hidden states from the engine, an MLA draft with fc_norm and norm_output, exported as vLLM's MLA EAGLE-3
     assert json.loads((rd / 'extract.json').read_text())['engine'] == 'vllm'
+    spec_log = (rd / 'engine_logs' / 'spec.log').read_text()  # verify's server of the draft
+    assert 'Resolved architecture: Eagle3DeepseekV2ForCausalLM' in spec_log
+    assert 'MLA is enabled on a non-GPU platform' in spec_log  # an MLA draft: vLLM kept MLA (no VLLM_MLA_DISABLE)
     cfg = json.loads((tmp_path / 'data' / 'export' / 'config.json').read_text())
     assert cfg['architectures'] == ['Eagle3DeepseekV2ForCausalLM'], cfg['architectures']
     assert cfg.get('fc_norm') is True and cfg.get('norm_output') is True, cfg
