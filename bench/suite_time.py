@@ -24,7 +24,7 @@ STEPS = [
     ('notebooks (nbdev_test)', re.compile(r'^\.venv/bin/nbdev_test')),
     ('docs', re.compile(r'^rm -rf _proc')),
     ('pytest', re.compile(r'^\.venv/bin/pytest')),
-    ('the demo run', re.compile(r'^\.venv/bin/eagle3nb run')),
+    ('the demo run', re.compile(r'^(OMP_NUM_THREADS=\d+ )?\.venv/bin/eagle3nb run')),
 ]
 
 

@@ -204,8 +204,10 @@ def _tail(path, n: int = 20) -> str:
 
 def server_env(env: dict = None) -> dict:
     "This process's environment plus the settings a CPU toy server needs; `env` wins"
+    # an engine keeps the bytecode of what it imports (make engine installs without compiling: see the Makefile)
+    own = {k: v for k, v in os.environ.items() if k != 'PYTHONDONTWRITEBYTECODE'}
     return {
-        **os.environ,
+        **own,
         'OMP_NUM_THREADS': '1',
         'HF_HUB_OFFLINE': '1',
         'TOKENIZERS_PARALLELISM': 'false',
