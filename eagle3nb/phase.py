@@ -322,7 +322,7 @@ class RunContext:
     smoke: bool = False  # no recipe was given: a toy run of the library's own
     rank: int = 0
     world: int = 1
-    device: str = 'cpu'
+    asked_device: str = ''  # `device` once asked; give one to skip asking torch
     engines: Any = None  # the `EngineSession`
     source: str = ''  # the recipe file it was opened from (commands a phase prints name it); '' for a Recipe
 
@@ -355,9 +355,16 @@ class RunContext:
             r.target.model = str(ensure_toy(r.target.toy, r.target.model))
         rank, world = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
         source = str(Path(recipe).resolve()) if isinstance(recipe, (str, Path)) and recipe else ''
-        ctx = cls(r, run_dir, smoke, rank, world, _device(), source=source)
+        ctx = cls(r, run_dir, smoke, rank, world, source=source)
         ctx.engines = EngineSession(r, run_dir)
         return ctx
+
+    @property
+    def device(self) -> str:
+        "cuda:LOCAL_RANK where torch sees a GPU, else cpu: asked when a phase needs it (importing torch takes seconds)"
+        if not self.asked_device:
+            self.asked_device = _device()
+        return self.asked_device
 
     @property
     def data_root(self) -> Path:
