@@ -185,6 +185,7 @@ def measure_k(
     max_tokens: int,
     py=None,  # the engine's python
     ep=None,  # a server of `export` at `k` (the bench's, or one `launch_k` launched); None: one started here
+    warm: bool = False,  # `ep` has served these prompts already (the bench's): no warm-up pass
 ) -> dict:
     "Serve `export` at `k` (or measure `ep`), send `prompts` at concurrency 1 and stop it: `servebench.k_measure`'s"
     from eagle3nb.engine import counters_between, read_counters
@@ -193,7 +194,8 @@ def measure_k(
     ep = ep or launch_k(ctx, export, k, py)
     try:
         ctx.engines.wait(ep)  # (a server already up answers at once)
-        bench_endpoint(ep.base_url, ep.model, prompts, 1, max_tokens)  # warm-up: a whole pass, then the one timed
+        if not warm:  # a whole pass, then the one timed
+            bench_endpoint(ep.base_url, ep.model, prompts, 1, max_tokens)
         c0 = read_counters(ep)
         row = bench_endpoint(ep.base_url, ep.model, prompts, 1, max_tokens)
         return k_measure(row, counters_between(ep, c0, read_counters(ep)), k)
@@ -217,7 +219,7 @@ def recommend(
     if running:
         k0, ep = running
         if 1 <= k0 <= max_k:
-            runs[k0] = measure_k(ctx, export, k0, prompts, max_tokens, py, ep=ep)
+            runs[k0] = measure_k(ctx, export, k0, prompts, max_tokens, py, ep=ep, warm=True)  # the bench warmed it
         else:
             ctx.engines.stop(ep)
     # up to k = 3, every k gets served (1, max_k and the best's neighbours cover them): their servers start at once,
