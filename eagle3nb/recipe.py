@@ -120,7 +120,7 @@ class DraftRole(_Strict):
     baseline: str | None = None  # URL of a server of the target alone the user runs (with `speculative`)
     speculative: str | None = None  # URL of the user's server of the target with the draft: nothing is started
     launch: Launch = Launch()  # how the baseline and speculative servers are started here (and launch_*.sh)
-    served_here: dict = {}  # set by the runner: {url, export, k} of the server of the export it started for this run
+    served_here: dict = {}  # set by the runner: {url, export, k, log} of the server of the export it started
 
     @model_validator(mode='after')
     def _both(self):

@@ -545,7 +545,7 @@ def _ready(ctx: RunContext, ep):  # -> Endpoint | None
         return None
     try:
         return ctx.engines.wait(ep)  # (stopped there when it failed)
-    except Exception as e:
+    except UserError as e:  # the engine's error (EngineError, ServerNotReady); a bug keeps its traceback
         _tell(f'the run could not serve its export ({e}); verify and serve-bench each start a server of it')
         ctx.recipe.serving.draft.served_here = {}
         return None
@@ -619,7 +619,8 @@ def _run_held(recipe, r, run_id, run_dir, nbs, sel, serve, stream, nproc=1) -> P
             if key == 'export':  # its start-up overlaps the next phases
                 draft = own_draft(ctx, ahead[1:])
             if draft and not {'verify', 'serve_bench'} & {phase_key(t) for t in ahead[1:]}:
-                draft = drop_own_draft(ctx, draft)
+                drop_own_draft(ctx, draft)
+                draft = None
                 frozen = save_recipe(rr, run_dir / 'recipe.yaml')
     if todo and phase_key(todo[-1]) != 'plan':  # the plan phase, run last, wrote the closing one itself
         _plan(rr, run_dir, recipe, 'at the end')

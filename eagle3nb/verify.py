@@ -312,18 +312,15 @@ def verify_rows(
     if not r['loaded']:
         rows.append(('loaded', 'FAIL', f"the engine did not serve the draft: {r['error']}"))
     else:
+        where = f"ready in {r['ready_s']} s" if r.get('ready_s') is not None else "the run's own server"
+        where = where if r.get('started', True) else f"served at {r['speculative']}"
         rows.append(
             (
                 'loaded',
                 'FAIL' if bad else 'ok',
                 ' | '.join(bad)
                 if bad
-                else (
-                    f"served at {r['speculative']}"
-                    if not r.get('started', True)
-                    else (f"ready in {r['ready_s']} s" if r['ready_s'] is not None else "the run's own server")
-                )
-                + (f"; engine warnings: {' | '.join(r['warnings'])}" if r.get('warnings') else ''),
+                else where + (f"; engine warnings: {' | '.join(r['warnings'])}" if r.get('warnings') else ''),
             )
         )
     if not r['loaded']:

@@ -227,12 +227,12 @@ def recommend(
     ahead = {k: launch_k(ctx, export, k, py) for k in range(1, max_k + 1) if k not in runs} if max_k <= 3 else {}
     for ep in ahead.values():
         ctx.engines.wait(ep)
+    for k, ep in ahead.items():
+        runs[k] = measure_k(ctx, export, k, prompts, max_tokens, py, ep=ep)
     for k in (1, max_k):
         if k not in runs:
-            runs[k] = measure_k(ctx, export, k, prompts, max_tokens, py, ep=ahead.pop(k, None))
+            runs[k] = measure_k(ctx, export, k, prompts, max_tokens, py)
     if not (runs[1]['round_s'] and runs[max_k]['round_s']):
-        for ep in ahead.values():
-            ctx.engines.stop(ep)
         return dict(k=None, why='the engine proposed no drafts: nothing to recommend from', runs=list(runs.values()))
     a, b = k_costs(runs[1], runs[max_k])
     tab = expected_tok_s(expected_accept(runs[1], runs[max_k]), a, b)
@@ -240,9 +240,7 @@ def recommend(
     near = [k for k in (best - 1, best, best + 1) if 1 <= k <= max_k]
     for k in near:
         if k not in runs:
-            runs[k] = measure_k(ctx, export, k, prompts, max_tokens, py, ep=ahead.pop(k, None))
-    for ep in ahead.values():  # (none: every k up to 3 is served)
-        ctx.engines.stop(ep)
+            runs[k] = measure_k(ctx, export, k, prompts, max_tokens, py)
     tab['measured_tok_s'] = tab.k.map({k: r['out_tok_s'] for k, r in runs.items()})
     checked = {k: runs[k]['out_tok_s'] for k in near}
     return dict(
