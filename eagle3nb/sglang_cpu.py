@@ -7,12 +7,14 @@ __all__ = ['STANDINS', 'SITE', 'STANDINS_PATH', 'CPU_FLAGS', 'assign_req_to_toke
            'assign_draft_cache_locs_contiguous_cpu', 'build_draft_decode_metadata_cpu', 'fill_bonus_tokens_cpu',
            'fill_accept_out_cache_loc_cpu', 'build_tree_kernel_efficient_cpu', 'verify_tree_greedy_cpu',
            'copy_all_layer_kv_cache_cpu', 'decode_attention_cpu', 'extend_attention_cpu', 'fake_sgl_kernel',
-           'patch_overrides', 'patch_kimi_k25_eagle3', 'define_torchvision_ops', 'write_site', 'cpu_launch_env']
+           'patch_overrides', 'patch_kimi_k25_eagle3', 'patch_engine_fork', 'define_torchvision_ops', 'write_site',
+           'cpu_launch_env']
 
 # %% ../nbs/05b_sglang_cpu.ipynb #307f1fae
 import ctypes
 import functools
 import importlib.machinery
+import multiprocessing
 import os
 import types
 from pathlib import Path
@@ -384,6 +386,22 @@ def patch_kimi_k25_eagle3(m):  # sglang.srt.models.kimi_k25_eagle3, just execute
         on_cpu._eagle3nb = True
         setattr(cls, name, functools.wraps(f)(on_cpu))
 
+# %% ../nbs/05b_sglang_cpu.ipynb #d620c44a
+def patch_engine_fork(m):  # sglang.srt.entrypoints.engine, just executed
+    "Start SGLang's scheduler and detokenizer by fork, not spawn, in a CPU server we start"
+    setup = m._set_envs_and_config
+    if getattr(setup, '_eagle3nb', False):
+        return
+
+    @functools.wraps(setup)
+    def then_fork(*args, **kw):
+        out = setup(*args, **kw)
+        multiprocessing.set_start_method('fork', force=True)
+        return out
+
+    then_fork._eagle3nb = True
+    m._set_envs_and_config = then_fork
+
 # %% ../nbs/05b_sglang_cpu.ipynb #a6f2a8e4
 _LIBS = []  # the op libraries defined here: a torch.library.Library takes its definitions with it when collected
 
@@ -410,6 +428,7 @@ PATCHES = {{  # module -> (when, function of the stand-ins module that gets the 
     'sglang.srt.arg_groups.overrides': ('after', 'patch_overrides'),
     'torchvision._meta_registrations': ('before', 'define_torchvision_ops'),
     'sglang.srt.models.kimi_k25_eagle3': ('after', 'patch_kimi_k25_eagle3'),
+    'sglang.srt.entrypoints.engine': ('after', 'patch_engine_fork'),
 }}
 
 
