@@ -317,8 +317,12 @@ class VllmServer(LocalServer):
         mla = cpu and not mla_disable and bool(text_config(model_dir).get('kv_lora_rank'))
         if mla and '--attention-backend' not in extra:  # not AMX_MLA (see above)
             extra += ['--attention-backend', 'CPU_MLA']
+        draft = (speculative or {}).get('model')
+        if mla and draft and Path(draft).is_dir() and text_config(draft).get('kv_lora_rank'):  # it chooses its own
+            speculative = {'attention_backend': 'CPU_MLA', **speculative}
         env = {**(CPU_ONE_WORKER[1] if one else {}), **(env or {})}
-        if one and threads == 1:  # `FORK_SITE`: the engine core forked, not spawned
+        plain = not (flags.get('trust_remote_code') or is_vlm(model_dir))  # see `FORK_SITE`
+        if one and threads == 1 and plain:  # `FORK_SITE`: the engine core forked, not spawned
             path = env.get('PYTHONPATH', os.environ.get('PYTHONPATH', ''))
             env['PYTHONPATH'] = os.pathsep.join(p for p in (str(fork_site(self.tmp / 'site')), path) if p)
         super().__init__(

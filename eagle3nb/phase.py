@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal, get_args, get_origin
 from pydantic import BaseModel, ConfigDict
 from .recipe import Recipe, RecipeError, api_key, atomic_write, load_recipe, read_json, role
-from .target import text_config
+from .target import parser_flags, text_config
 
 # %% ../nbs/06_phase.ipynb #73ba8a58
 class Params(BaseModel):
@@ -571,7 +571,7 @@ def target_engine(self: EngineSession) -> str:
 
 @patch
 def target_server(self: EngineSession, engine: str = None):
-    "A server (not started) of the target alone; the engine's context is the model's own, capped at 8192 tokens"
+    "A server (not started) of the target alone, with its family's parsers; its context the model's own, at most 8192"
     from eagle3nb.engine import SglangServer, VllmServer
     from eagle3nb.server import LocalServer
 
@@ -581,6 +581,7 @@ def target_server(self: EngineSession, engine: str = None):
     c = text_config(self.target_dir)  # a VLM package: its language model's context
     max_len = min(int(c.get('max_position_embeddings') or 2048), 8192)
     kw = dict(log_path=self._log('server.log'), launch=role(self.r, 'generate').launch, context=max_len)
+    kw['extra'] = parser_flags(self.target_dir, engine, self.r.target.thinking)  # chat requests with tools, thinking
     if engine == 'sglang':
         return SglangServer(self.target_dir, **kw, **self._py(), **self.engine_flags)
     return VllmServer(self.target_dir, **kw, **self._py(), **self.engine_flags)

@@ -137,3 +137,22 @@ def test_vllm_turns_chat_regenerated_and_rendered(vllm_policies, kimi_tiny):
     spans = [tok.decode(x['input_ids'][a:b]) for x in got for a, b in x['spans']]
     assert len(spans) == 6 and done['vic']['rejected'] == 0  # every regenerated turn supervised
     assert all((t['content'] or '').strip() in text for t, text in zip(vic['turns'], spans))
+
+
+def test_the_runs_own_server_answers_chats_with_tools(kimi_tiny, tmp_path):
+    "The server a run starts for its target carries the family's parsers: `turns` on chats with tools is answered"
+    from eagle3nb.phase import EngineSession
+
+    fx = FIXTURE.parent / 'glaive_toolcall_en_demo.sample.json'
+    with EngineSession.of(kimi_tiny, log_dir=tmp_path / 'logs') as es, es.target_server('vllm') as srv:
+        words = ' '.join(srv.cmd)
+        assert '--enable-auto-tool-choice --tool-call-parser kimi_k2 --reasoning-parser kimi_k2' in words, words
+        kw = dict(max_ctx=2048, long_ctx=4096, max_new_tokens=12)
+        r = demo_recipe(
+            tmp_path / 'run', kimi_tiny, [('glaive', 'sharegpt', fx, 'full')], [srv.base_url], srv.model, **kw
+        )
+        s = generate(r, progress=False, kinds=['full'])  # sharegpt, kind full: policy turns, chat mode, tools offered
+    # without the parsers vLLM refused every request that offered tools (HTTP 400 "auto" tool choice requires ...)
+    assert s['policies'] == dict(turns=4) and s['failed'] == 0, s
+    recs = list(read_shards(gen_dir(r.data_root), 'glaive'))
+    assert len(recs) == 4 and all(x['turns'] for x in recs), recs
