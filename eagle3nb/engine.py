@@ -314,14 +314,15 @@ class VllmServer(LocalServer):
         self.tmp = Path(tempfile.mkdtemp(prefix='e3nb-vllm-'))
         one = cpu and self.launch.tp <= 1  # `CPU_ONE_WORKER`: one process fewer to start
         extra = [*flags.pop('extra', ()), *(CPU_ONE_WORKER[0] if one else [])]
-        mla = cpu and not mla_disable and bool(text_config(model_dir).get('kv_lora_rank'))
+        local = (Path(model_dir) / 'config.json').is_file()  # else a hub id: the engine reads its config itself
+        mla = cpu and local and not mla_disable and bool(text_config(model_dir).get('kv_lora_rank'))
         if mla and '--attention-backend' not in extra:  # not AMX_MLA (see above)
             extra += ['--attention-backend', 'CPU_MLA']
         draft = (speculative or {}).get('model')
         if mla and draft and Path(draft).is_dir() and text_config(draft).get('kv_lora_rank'):  # it chooses its own
             speculative = {'attention_backend': 'CPU_MLA', **speculative}
         env = {**(CPU_ONE_WORKER[1] if one else {}), **(env or {})}
-        plain = not (flags.get('trust_remote_code') or is_vlm(model_dir))  # see `FORK_SITE`
+        plain = local and not (flags.get('trust_remote_code') or is_vlm(model_dir))  # see `FORK_SITE`
         if one and threads == 1 and plain:  # `FORK_SITE`: the engine core forked, not spawned
             path = env.get('PYTHONPATH', os.environ.get('PYTHONPATH', ''))
             env['PYTHONPATH'] = os.pathsep.join(p for p in (str(fork_site(self.tmp / 'site')), path) if p)
