@@ -473,16 +473,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         return None
 
 
-def _next_sitecustomize():
-    "Run the sitecustomize this file shadows, if one is further down sys.path"
-    here = os.path.dirname(os.path.abspath(__file__))
-    for d in sys.path:
-        f = os.path.join(d or '.', 'sitecustomize.py')
-        if os.path.abspath(d or '.') != here and os.path.isfile(f):
-            spec = importlib.util.spec_from_file_location('_shadowed_sitecustomize', f)
-            spec.loader.exec_module(importlib.util.module_from_spec(spec))
-            return
-
+{next_site}
 
 if os.environ.get('SGLANG_USE_CPU_ENGINE') == '1' and not any(isinstance(f, _Finder) for f in sys.meta_path):
     sys.meta_path.insert(0, _Finder())
@@ -498,7 +489,10 @@ def write_site(
     "Write the `sitecustomize.py` that puts the stand-ins into a CPU SGLang server (atomically, only when changed)"
     d = Path(d)
     d.mkdir(parents=True, exist_ok=True)
-    f, text = d / 'sitecustomize.py', SITE.format(path=str(Path(standins or STANDINS_PATH).resolve()))
+    from eagle3nb.engine import NEXT_SITE  # (here, not at the top: the server loads this file without eagle3nb)
+
+    path = str(Path(standins or STANDINS_PATH).resolve())
+    f, text = d / 'sitecustomize.py', SITE.format(path=path, next_site=NEXT_SITE)
     if not f.exists() or f.read_text(encoding='utf-8') != text:
         tmp = d / f'.sitecustomize.{os.getpid()}.tmp'
         tmp.write_text(text, encoding='utf-8')
