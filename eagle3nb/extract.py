@@ -5,10 +5,10 @@
 # %% auto #0
 __all__ = ['MIN_FREE_GB', 'SPLITS', 'load_target', 'target_id', 'weight_layers', 'check_layer_weights', 'capture',
            'forward_states', 'draft_target_ids', 'topk_draft_probs', 'length_batches', 'NotEnoughDisk', 'preflight',
-           'rank_world', 'mine', 'sample_tensors', 'plan_modes', 'finish_stats', 'ModelSource', 'extract_pass',
-           'extract_modes', 'extract', 'flush_all', 'ExtractionStopped', 'stop_message', 'load_d2t', 'corpus_splits',
-           'stats_row', 'check_request', 'target_built', 'extraction_request', 'store_dirs', 'split_rows', 'split_stop',
-           'extract_splits', 'extract_recipe']
+           'rank_world', 'mine', 'sample_tensors', 'prefix_order', 'plan_modes', 'finish_stats', 'ModelSource',
+           'extract_pass', 'extract_modes', 'extract', 'flush_all', 'ExtractionStopped', 'stop_message', 'load_d2t',
+           'corpus_splits', 'stats_row', 'check_request', 'target_built', 'extraction_request', 'store_dirs',
+           'split_rows', 'split_stop', 'extract_splits', 'extract_recipe']
 
 # %% ../nbs/50_extract.ipynb #be6f945d
 import hashlib, json, os, re, time, zlib
@@ -34,6 +34,7 @@ from eagle3nb.store import (
     record_index,
     shard_files,
     shard_meta,
+    shared_prefixes,
     sync_index,
     validate,
 )
@@ -235,14 +236,17 @@ def mine(sample_id: str, rank: int, world: int) -> bool:
 
 # %% ../nbs/50_extract.ipynb #857a9ad1
 def _view(samples):
-    "sample ids, lengths and a row getter over a Dataset or a list of dicts"
+    "sample ids, lengths, a row getter and conversation ids (None where there are none) over a Dataset or dicts"
     if hasattr(samples, 'data') and hasattr(samples, 'select_columns'):  # datasets.Dataset: no full materialization
         import pyarrow.compute as pc
 
         ds = samples.select_columns(['sample_id', 'input_ids', 'loss_mask'])
-        return ds['sample_id'], pc.list_value_length(ds.data.column('input_ids')).to_pylist(), ds.__getitem__
+        lens = pc.list_value_length(ds.data.column('input_ids')).to_pylist()
+        conv = samples['conversation_id'] if 'conversation_id' in samples.column_names else [None] * len(ds)
+        return ds['sample_id'], lens, ds.__getitem__, conv
     rows = list(samples)
-    return [r['sample_id'] for r in rows], [len(r['input_ids']) for r in rows], rows.__getitem__
+    conv = [r.get('conversation_id') for r in rows]
+    return [r['sample_id'] for r in rows], [len(r['input_ids']) for r in rows], rows.__getitem__, conv
 
 
 def _check_resumable(out_dir, meta: dict):
@@ -280,8 +284,22 @@ def _batch_inputs(rows, device):
     mask = None if min(lens) == L else (torch.arange(L) < torch.tensor(lens)[:, None]).long().to(device)
     return ids.to(device), mask, lens
 
+# %% ../nbs/50_extract.ipynb #128dba26
+def prefix_order(ids: list, conv: list, shared: dict) -> list:  # sample indices
+    "The samples in input order, but each conversation's together, a sample after the one whose prefix it shares"
+    first = {}  # conversation -> the index of its first sample
+
+    def depth(s):
+        n = 0
+        while s in shared:
+            s, n = shared[s][0], n + 1
+        return n
+
+    key = lambda j: (first.setdefault(conv[j], j) if conv[j] is not None else j, depth(ids[j]), j)
+    return sorted(range(len(ids)), key=key)
+
 # %% ../nbs/50_extract.ipynb #e89f8421
-def _plan(model, samples, out_dir, aux_layers, mode, d2t, topk, target, template_sha256, rank, world):
+def _plan(model, samples, out_dir, aux_layers, mode, d2t, topk, target, template_sha256, rank, world, share=True):
     "Everything the run needs before the first forward"
     cfg = model.config.get_text_config()
     aux_layers = aux_layers if aux_layers is not None else default_aux_layers(cfg.num_hidden_layers)
@@ -291,15 +309,17 @@ def _plan(model, samples, out_dir, aux_layers, mode, d2t, topk, target, template
     tids = draft_target_ids(d2t, cfg.vocab_size)
     meta = shard_meta(mode, aux_layers, H, target, template_sha256, topk, len(tids), rank)
     _check_resumable(out_dir, meta)
-    ids, lens, get = _view(samples)
+    ids, lens, get, conv = _view(samples)
     if len(set(ids)) != len(ids):
         raise InputError("sample_id repeats in the input; ids must be unique")
     empty = [s for s, L in zip(ids, lens) if L == 0]
     if empty:
         raise InputError(f"{len(empty)} samples have no tokens, e.g. {empty[0]!r}; drop them before extraction")
     done = done_ids(out_dir)
-    todo = [j for j, s in enumerate(ids) if mine(s, rank, world) and s not in done]
     bpt = bytes_per_token(mode, H, len(aux_layers), topk, len(tids))
+    shared = shared_prefixes(ids, conv, lambda j: get(j)['input_ids']) if share else {}  # over the split: resumes agree
+    stored = [L - shared.get(s, (None, 0))[1] for s, L in zip(ids, lens)]  # the state rows each sample writes
+    todo = [j for j in prefix_order(ids, conv, shared) if mine(ids[j], rank, world) and ids[j] not in done]
     return dict(
         H=H,
         aux_layers=aux_layers,
@@ -311,17 +331,18 @@ def _plan(model, samples, out_dir, aux_layers, mode, d2t, topk, target, template
         todo=todo,
         skipped=sum(s in done for s in ids),
         bpt=bpt,
-        need=bpt * sum(lens[j] for j in todo),
+        shared=shared,
+        need=bpt * sum(stored[j] for j in todo),
     )
 
 # %% ../nbs/50_extract.ipynb #27810d7e
-def plan_modes(model, samples, outs: dict, aux_layers, d2t, topk, target, template_sha256, rank, world):
+def plan_modes(model, samples, outs: dict, aux_layers, d2t, topk, target, template_sha256, rank, world, share=True):
     "A `_plan` per mode's store (`sinks`), and the samples some store still lacks (their indices, in order)"
     sinks = [
         dict(
             mode=m,
             out=Path(o),
-            P=_plan(model, samples, o, aux_layers, m, d2t, topk, target, template_sha256, rank, world),
+            P=_plan(model, samples, o, aux_layers, m, d2t, topk, target, template_sha256, rank, world, share),
         )
         for m, o in outs.items()
     ]
@@ -341,6 +362,7 @@ def finish_stats(
         s.update(
             samples=wr.samples,
             tokens=wr.tokens,
+            stored_tokens=wr.stored,  # the state rows written: fewer than tokens where prefixes are shared
             seconds=secs,
             tokens_per_s=wr.tokens / max(secs, 1e-9),
             shards=[p.name for p in wr.written],
@@ -432,9 +454,11 @@ def _drain(source, sinks, todo: list, left: dict, topk: int, on_batch, progress:
                 ks = [k for k in sinks if row['sample_id'] in k['todo']]
                 if key is not None:
                     left[key] = len(ks)
+                pre = P['shared'].get(row['sample_id'])  # (base, p): only positions p on are stored
                 for k in ks:
                     k['held'] += [key] if key is not None else []
-                    k['wr'].add(row['sample_id'], sample_tensors(row, a, fin, k['mode'], n_aux, k['w_draft'], topk))
+                    st = sample_tensors(row, a, fin, k['mode'], n_aux, k['w_draft'], topk)
+                    k['wr'].add(row['sample_id'], st, pre)
                     k['st']['samples'] += 1
                     k['st']['tokens'] += len(a)
                 bar.update(len(a))
@@ -471,11 +495,12 @@ def extract_pass(
     on_batch=None,  # called with the first mode's running stats after each batch
     min_free_gb: float = MIN_FREE_GB,  # stop (resumable) before a shard would leave less free on the stores' disk
     progress: bool = False,  # a progress bar, in tokens
+    share: bool = True,  # samples of one conversation store their common prefix's states once (`shared_prefixes`)
 ) -> dict:  # mode -> samples, tokens, seconds, tokens_per_s, forward_s, forward_tokens, skipped, shards, stopped, ...
     "One pass of `source` over the samples some store of `outs` lacks, each stored by every store lacking it"
     rank, world = rank_world(rank, world)
     cfg = SimpleNamespace(config=config)  # `_plan` reads `model.config`
-    sinks, todo = plan_modes(cfg, samples, outs, aux_layers, d2t, topk, target, template_sha256, rank, world)
+    sinks, todo = plan_modes(cfg, samples, outs, aux_layers, d2t, topk, target, template_sha256, rank, world, share)
     P, reserve = sinks[0]['P'], int(min_free_gb * 1e9)
     extra = source.prepare(P, todo)  # what the source writes meanwhile (vLLM: spool files in flight)
     pre = preflight(sinks[0]['out'], sum(k['P']['need'] for k in sinks) + extra, reserve=reserve)
@@ -508,11 +533,12 @@ def extract_modes(
     world: int = None,  # default: torchrun's RANK / WORLD_SIZE, else 0 / 1
     on_batch=None,  # called with the first mode's running stats after each batch
     min_free_gb: float = MIN_FREE_GB,  # stop (resumable) before a shard would leave less free on the stores' disk
+    share: bool = True,  # samples of one conversation store their common prefix's states once (`shared_prefixes`)
 ) -> dict:  # as `extract_pass`
     "Run the target over `samples` once into every mode's store that lacks them, resuming where a run stopped"
     source = ModelSource(model, token_budget, max_pad)
     args = (aux_layers, d2t, topk, shard_bytes, catalog, target, template_sha256, rank, world, on_batch, min_free_gb)
-    return extract_pass(source, samples, outs, model.config, *args)
+    return extract_pass(source, samples, outs, model.config, *args, share=share)
 
 
 def extract(
@@ -533,6 +559,7 @@ def extract(
     world: int = None,
     on_batch=None,
     min_free_gb: float = MIN_FREE_GB,
+    share: bool = True,
 ) -> dict:  # as `extract_modes`, one mode
     "Run the target over `samples` and store their hidden states in `out_dir`, resuming where a previous run stopped"
     return extract_modes(
@@ -552,6 +579,7 @@ def extract(
         world,
         on_batch,
         min_free_gb,
+        share,
     )[mode]
 
 # %% ../nbs/50_extract.ipynb #c7f85c68

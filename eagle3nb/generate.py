@@ -45,6 +45,11 @@ class GenParams(Params):
     max_turns: int = Field(
         8, ge=0, description='prefix: turns per conversation, evenly spaced (SWE trajectories reach 817); 0: all'
     )
+    supervise_recorded: bool = Field(
+        False,
+        description="prefix: also supervise a trajectory's recorded turns (another model's text, under the target's "
+        "distribution from the store), each once: in the sample of the last turn answered after it",
+    )
     temperature: float = Field(0.0, description='sampling temperature')
     top_p: float = Field(1.0, description='nucleus sampling')
     seed: int | None = Field(None, description='sampling seed sent with each request (None: none)')
@@ -1260,33 +1265,38 @@ def completion_ids(
     return ids
 
 # %% ../nbs/30_generate.ipynb #ba1e2292
-def _completed(row: dict, prompt: list, comp: list, sample_id: str) -> dict:
+def _completed(row: dict, prompt: list, comp: list, sample_id: str, recorded: bool = False) -> dict:
     "A training sample: `prompt` (ids of `row`'s rendering), then the target's `comp`, only `comp` supervised"
+    "(`recorded`: also the recorded answers of `row` that `prompt` holds whole)"
     n = len(prompt)
+    mask = [int(x) for x in row['loss_mask'][:n]] if recorded else [0] * n
+    spans = [list(s) for s in row['spans'] if s[1] <= n] if recorded else []
     return {
         **row,
         'sample_id': sample_id,
         'input_ids': list(prompt) + list(comp),
-        'loss_mask': [0] * n + [1] * len(comp),
-        'spans': [[n, n + len(comp)]],
+        'loss_mask': mask + [1] * len(comp),
+        'spans': spans + [[n, n + len(comp)]],
         'prompt_tokens': n,
-        'completion_tokens': len(comp),
+        'completion_tokens': sum(mask) + len(comp),
         'n_events': 1,
         'prompt_only': False,
     }
 
 
-def raw_samples(rec: dict, rows: dict, tok) -> list:
+def raw_samples(rec: dict, rows: dict, tok, recorded: bool = False) -> list:
     "Training samples of a finished raw record: once, its prompt then the answer; prefix, one per `ok` turn"
+    "(`recorded`: the last of a rendered sample's turns also supervises the recorded answers before it)"
     if rec.get('policy') != 'prefix':
         row = rows[rec['sample_id']]
         return [_completed(row, prompt_ids_of(row), completion_ids(rec, tok), row['sample_id'])]
+    ok = [t for t in rec['turns'] if t['status'] == 'ok']
+    last = {t['sample']: t['span'][0] for t in sorted(ok, key=lambda t: t['span'][0])}  # per sample: its last turn
     out = []
-    for t in (t for t in rec['turns'] if t['status'] == 'ok'):
-        row = rows[t['sample']]  # named after the sample and the span it answers anew
-        out.append(
-            _completed(row, row['input_ids'][: t['span'][0]], completion_ids(t, tok), f"{t['sample']}-t{t['turn']:02d}")
-        )
+    for t in ok:
+        row, a = rows[t['sample']], t['span'][0]  # named after the sample and the span it answers anew
+        sid, rec_too = f"{t['sample']}-t{t['turn']:02d}", recorded and last[t['sample']] == a
+        out.append(_completed(row, row['input_ids'][:a], completion_ids(t, tok), sid, rec_too))
     return out
 
 # %% ../nbs/30_generate.ipynb #05fd2032
@@ -1365,6 +1375,7 @@ def completed_samples(
     shards_dir,  # its shard folder, `generated/<dataset>`
     tok,  # the target's tokenizer
     prepared_dir=None,  # its prepared dataset: chat-mode records (turns, once in chat mode) need its conversations
+    recorded: bool = False,  # prefix: supervise the recorded turns too (`GenParams.supervise_recorded`)
 ) -> dict:  # counts: responses, samples, tokens, rejected (and why)
     "Write `shards_dir/samples`: the training samples of the dataset's finished `ok` records"
     from datasets import Dataset, load_from_disk
@@ -1396,7 +1407,7 @@ def completed_samples(
             bad[str(e)] += 1
     pr = (read_render_manifest(rendered_dir) or {}).get('params', {})
     samples, why = chat_samples(items, tok, pr.get('thinking', True), pr.get('merge', True))
-    samples += [s for x in ok if x.get('mode') != 'chat' for s in raw_samples(x, rows, tok)]
+    samples += [s for x in ok if x.get('mode') != 'chat' for s in raw_samples(x, rows, tok, recorded)]
     out, bad = Path(shards_dir) / 'samples', bad + why
     if samples:
         with publishing(out, 'generate') as tmp:

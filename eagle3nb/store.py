@@ -4,14 +4,16 @@
 
 # %% auto #0
 __all__ = ['FORMAT', 'CONVENTION', 'MODES', 'TOPK_MODES', 'NF4_GROUP', 'FP8_MAX', 'NF4', 'NF4_HALF_GAP', 'NF4_PAIRS', 'META_KEYS',
-           'TENSORS', 'DTYPES', 'SHARD_RE', 'INDEX_DDL', 'sglang_layer_ids', 'idx_dtype', 'bytes_per_token',
-           'quantize_fp8', 'dequantize_fp8', 'fp8_bound', 'quantize_nf4', 'dequantize_nf4', 'nf4_bound', 'dequantize',
-           'shard_meta', 'shard_files', 'ShardWriter', 'DiskLow', 'free_bytes', 'open_shard', 'read_meta', 'shard_rows',
-           'read_index', 'done_ids', 'record_index', 'sync_index', 'HiddenStates', 'StoreInvalid', 'corpus_map',
-           'validate']
+           'TENSORS', 'DTYPES', 'SHARD_RE', 'MIN_SHARED', 'INDEX_DDL', 'INDEX_SHARED', 'sglang_layer_ids', 'idx_dtype',
+           'bytes_per_token', 'quantize_fp8', 'dequantize_fp8', 'fp8_bound', 'quantize_nf4', 'dequantize_nf4',
+           'nf4_bound', 'dequantize', 'shard_meta', 'shard_files', 'ShardWriter', 'DiskLow', 'free_bytes',
+           'common_prefix', 'shared_prefixes', 'open_shard', 'read_meta', 'shard_rows', 'read_index', 'done_ids',
+           'record_index', 'sync_index', 'HiddenStates', 'StoreInvalid', 'corpus_map', 'validate']
 
 # %% ../nbs/51_store.ipynb #ca091201
 import json, os, re, shutil
+from collections import defaultdict
+import numpy as np
 from pathlib import Path
 import torch
 from safetensors import safe_open
@@ -245,11 +247,11 @@ class ShardWriter:
         self.d.mkdir(parents=True, exist_ok=True)
         remove_stale(self.d, 'extract')  # a killed writer's temp folders: marked as extract's by a process that is gone
         self.buf, self.nbytes, self.written = [], 0, []
-        self.samples, self.tokens = 0, 0  # what the shards written so far hold
+        self.samples, self.tokens, self.stored = 0, 0, 0  # what the shards written so far hold; stored: state rows
         self.want = ('input_ids', 'loss_mask') + TENSORS[meta['mode']]
 
-    def add(self, sample_id: str, tensors: dict):
-        "Queue one sample: `tensors` holds every name of its mode, each (T, ...)"
+    def add(self, sample_id: str, tensors: dict, prefix: tuple = None):
+        "Queue one sample: `tensors` holds every name of its mode, each (T, ...); `prefix` (base, p): keep states from p"
         missing = [k for k in self.want if k not in tensors]
         if missing:
             raise KeyError(f"sample {sample_id}: missing {missing} for mode {self.meta['mode']}")
@@ -257,8 +259,12 @@ class ShardWriter:
         bad = {k: tuple(tensors[k].shape) for k in self.want if len(tensors[k]) != T}
         if bad:
             raise InputError(f"sample {sample_id}: {T} tokens but {bad}")
-        self.buf.append((sample_id, {k: tensors[k] for k in self.want}))
-        self.nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
+        base, p = prefix or (None, 0)
+        if not 0 <= p < T:
+            raise InputError(f"sample {sample_id}: a shared prefix of {p} tokens leaves none of its {T} to store")
+        kept = {k: tensors[k] if k in ('input_ids', 'loss_mask') else tensors[k][p:] for k in self.want}
+        self.buf.append((sample_id, kept, [base, p] if p else None))
+        self.nbytes += sum(t.numel() * t.element_size() for t in kept.values())
         if self.nbytes >= self.shard_bytes:
             self.flush()
 
@@ -307,20 +313,28 @@ def _flush(self: ShardWriter):
     if not self.buf:
         return None
     self.check_room()  # before anything is written: a stop leaves the store as it was and keeps the buffer
-    ids = [s for s, _ in self.buf]
-    lens = torch.tensor([len(t['input_ids']) for _, t in self.buf])
-    out = {k: torch.cat([t[k] for _, t in self.buf]).contiguous() for k in self.want}  # (T, ...) over samples
+    ids = [s for s, _, _ in self.buf]
+    lens = torch.tensor([len(t['input_ids']) for _, t, _ in self.buf])
+    state = TENSORS[self.meta['mode']][0]
+    slens = torch.tensor([len(t[state]) for _, t, _ in self.buf])  # shorter than lens where a prefix is shared
+    out = {k: torch.cat([t[k] for _, t, _ in self.buf]).contiguous() for k in self.want}  # (T, ...) over samples
     out['input_ids'], out['loss_mask'] = out['input_ids'].to(torch.int32), out['loss_mask'].to(torch.uint8)
     out['offsets'] = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])  # (n+1,)
+    meta = {**self.meta, 'sample_ids': ids}
+    shared = {s: x for s, _, x in self.buf if x}
+    if shared:
+        out['state_offsets'] = torch.cat([torch.zeros(1, dtype=torch.int64), slens.cumsum(0)])  # (n+1,)
+        meta['prefixes'] = shared
     path = self.d / f'{self.prefix}-{_next_seq(self.d, self.prefix):06d}.safetensors'
     tmp = output_temp(path, 'extract')  # a fresh folder of ours: safetensors writes its `.tmpXXXXXX` beside its target
     try:
-        save_file(out, str(tmp / path.name), metadata=_encode({**self.meta, 'sample_ids': ids}))
+        save_file(out, str(tmp / path.name), metadata=_encode(meta))
         os.replace(tmp / path.name, path)  # atomic: the shard exists whole or not at all
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     self.written.append(path)
     self.samples, self.tokens = self.samples + len(ids), self.tokens + int(lens.sum())
+    self.stored += int(slens.sum())
     self.buf, self.nbytes = [], 0
     if self.on_shard:
         self.on_shard(path, shard_rows(path))
@@ -328,6 +342,38 @@ def _flush(self: ShardWriter):
 
 
 ShardWriter.flush = _flush
+
+# %% ../nbs/51_store.ipynb #2fa9037d
+MIN_SHARED = 32  # shorter common prefixes are stored again
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    "The number of leading tokens `a` and `b` share"
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+def shared_prefixes(
+    ids: list,  # sample ids
+    groups: list,  # each sample's group (its conversation id); None: it shares with nothing
+    tokens,  # i -> the token ids of sample i
+    min_tokens: int = MIN_SHARED,  # a shorter common prefix is stored again
+) -> dict:  # sample id -> [base sample id, p]
+    "Which samples keep their states from position p on, their first p being those of a sample of the same group"
+    by = defaultdict(list)
+    for i, g in enumerate(groups):
+        if g is not None:
+            by[g].append(i)
+    out = {}
+    for js in (js for js in by.values() if len(js) > 1):
+        seqs = {j: np.asarray(tokens(j), dtype=np.int64) for j in js}
+        js = sorted(js, key=lambda j: (seqs[j].tolist(), ids[j]))
+        for a, b in zip(js[:-1], js[1:]):
+            p = min(common_prefix(seqs[a], seqs[b]), len(seqs[b]) - 1)  # at least one position of its own
+            if p >= min_tokens:
+                out[ids[b]] = [ids[a], p]
+    return out
 
 # %% ../nbs/51_store.ipynb #3838b8e1
 def open_shard(path):
@@ -353,13 +399,17 @@ def read_meta(path) -> dict:
 
 
 def shard_rows(path) -> list:
-    "Index rows of one shard: sample_id, shard, token_offset, length, mode"
+    "Index rows of one shard: sample_id, shard, token_offset, length, mode, state_offset, prefix_of, prefix_len"
     with open_shard(path) as f:
         meta, off = _decode(f.metadata()), f.get_tensor('offsets').tolist()
-    return [
-        dict(sample_id=s, shard=Path(path).name, token_offset=a, length=b - a, mode=meta['mode'])
-        for s, a, b in zip(meta['sample_ids'], off[:-1], off[1:])
-    ]
+        soff = f.get_tensor('state_offsets').tolist() if 'state_offsets' in f.keys() else off
+    pre = meta.get('prefixes', {})
+    rows = []
+    for s, a, b, c in zip(meta['sample_ids'], off[:-1], off[1:], soff):
+        base, p = pre.get(s, (None, 0))
+        row = dict(sample_id=s, shard=Path(path).name, token_offset=a, length=b - a, mode=meta['mode'])
+        rows.append(dict(row, state_offset=c, prefix_of=base, prefix_len=p))
+    return rows
 
 
 def read_index(d) -> list:
@@ -376,6 +426,7 @@ INDEX_DDL = (
     "CREATE TABLE IF NOT EXISTS hidden_index (store VARCHAR, sample_id VARCHAR, shard VARCHAR, "
     "token_offset BIGINT, length INTEGER, mode VARCHAR, PRIMARY KEY (store, sample_id))"
 )
+INDEX_SHARED = ('state_offset BIGINT', 'prefix_of VARCHAR', 'prefix_len INTEGER')  # added with shared prefixes
 
 
 def record_index(catalog, store, rows: list = None, replace: bool = False):
@@ -398,16 +449,20 @@ def record_index(catalog, store, rows: list = None, replace: bool = False):
                     ('token_offset', pa.int64()),
                     ('length', pa.int32()),
                     ('mode', pa.string()),
+                    ('state_offset', pa.int64()),
+                    ('prefix_of', pa.string()),
+                    ('prefix_len', pa.int32()),
                 ]
             ),
         )
         con.execute(INDEX_DDL)
+        for col in INDEX_SHARED:  # a catalog from before shared prefixes gains their columns
+            con.execute(f'ALTER TABLE hidden_index ADD COLUMN IF NOT EXISTS {col}')
         if replace:
             con.execute('DELETE FROM hidden_index WHERE store = ?', [store])
         con.register('_rows', t)
-        con.execute(
-            'INSERT OR REPLACE INTO hidden_index SELECT store, sample_id, shard, token_offset, length, mode FROM _rows'
-        )
+        cols = 'store, sample_id, shard, token_offset, length, mode, state_offset, prefix_of, prefix_len'
+        con.execute(f'INSERT OR REPLACE INTO hidden_index ({cols}) SELECT {cols} FROM _rows')
     return len(rows)
 
 
@@ -429,12 +484,18 @@ class HiddenStates(torch.utils.data.Dataset):
         rows = read_index(self.d)
         if not rows:
             raise FileNotFoundError(f"no shards in {self.d}; run extract first")
+        self.by = {r['sample_id']: r for r in rows}  # every sample of the store: the bases of shared prefixes too
+        lost = [r for r in rows if r['prefix_of'] is not None and r['prefix_of'] not in self.by]
+        if lost:
+            raise StoreInvalid(
+                f"{self.d}: {len(lost)} samples share the states of samples no shard holds, e.g. {lost[0]['sample_id']!r}"
+                f" of {lost[0]['prefix_of']!r}: rerun `eagle3nb extract` on this store to write them"
+            )
         if sample_ids is not None:
-            by = {r['sample_id']: r for r in rows}
-            missing = [s for s in sample_ids if s not in by]
+            missing = [s for s in sample_ids if s not in self.by]
             if missing:
                 raise KeyError(f"{len(missing)} sample ids are not in {self.d}, e.g. {missing[0]!r}")
-            rows = [by[s] for s in sample_ids]
+            rows = [self.by[s] for s in sample_ids]
         self.rows, self.meta = rows, read_meta(self.d / rows[0]['shard'])
 
     def __len__(self):
@@ -449,13 +510,26 @@ class HiddenStates(torch.utils.data.Dataset):
         return {**self.__dict__, '_files': {}}  # handles stay in their process
 
 # %% ../nbs/51_store.ipynb #77a17313
+def _states(self: HiddenStates, r: dict, name: str, end: int) -> torch.Tensor:  # (end, ...)
+    "Rows [0, end) of state tensor `name` of index row `r`: its own, then its shared prefix's, base by base"
+    parts = []
+    while end:
+        p = r['prefix_len'] or 0
+        if end > p:
+            c = r['state_offset']
+            parts.append(self._f(r['shard']).get_slice(name)[c : c + end - p])
+        end = min(end, p)
+        r = self.by[r['prefix_of']] if end else r
+    return parts[0] if len(parts) == 1 else torch.cat(parts[::-1])
+
+
 def _getitem(self: HiddenStates, i: int) -> dict:
     "Sample `i`: sample_id, input_ids (T,), loss_mask (T,), aux (T, n_aux*H), final (T, H) or topk_p/topk_idx (T, k)"
     r = self.rows[i]
     f = self._f(r['shard'])
     a, b = r['token_offset'], r['token_offset'] + r['length']
-    names = ('input_ids', 'loss_mask') + TENSORS[r['mode']]
-    out = {k: f.get_slice(k)[a:b] for k in names}
+    out = {k: f.get_slice(k)[a:b] for k in ('input_ids', 'loss_mask')}
+    out.update({k: _states(self, r, k, r['length']) for k in TENSORS[r['mode']]})
     out['input_ids'], out['loss_mask'] = out['input_ids'].long(), out['loss_mask'].bool()
     if r['mode'] == 'compact' and not self.raw:
         n = out['aux_scale'].shape[-1]
@@ -492,6 +566,11 @@ def _check_tensors(name, f, meta):
     T, off = len(g['input_ids']), g['offsets']
     if len(off) != len(meta['sample_ids']) + 1 or off[0] != 0 or off[-1] != T or (off.diff() <= 0).any():
         p.append(f"{name}: offsets do not cut {T} tokens into {len(meta['sample_ids'])} non-empty samples")
+    if 'state_offsets' in g:  # shared prefixes: the state tensors hold fewer rows than the token ids
+        so = g['state_offsets']
+        T = int(so[-1])
+        if len(so) != len(off) or so[0] != 0 or (so.diff() <= 0).any() or (so.diff() > off.diff()).any():
+            p.append(f"{name}: state_offsets do not cut {T} state rows into the samples' own positions")
     want = dict(
         aux=(T, n_aux * H), final=(T, H), aux_scale=(T, n_aux), topk_p=(T, meta['topk']), topk_idx=(T, meta['topk'])
     )
@@ -538,7 +617,7 @@ def _check_corpus(name, f, meta, corpus):
         if row is None:
             p.append(f"{name}: sample {s} is not in the corpus")
             continue
-        if ids[a:b].tolist() != list(row['input_ids']):
+        if ids[a:b].tolist() != [int(x) for x in row['input_ids']]:
             p.append(f"{name}: sample {s}: token ids differ from the corpus")
         elif 'loss_mask' in row and mask[a:b].tolist() != [int(x) for x in row['loss_mask']]:
             p.append(f"{name}: sample {s}: loss mask differs from the corpus")
@@ -548,6 +627,34 @@ def _check_corpus(name, f, meta, corpus):
 def corpus_map(rows) -> dict:
     "sample_id -> row, from a datasets.Dataset or any iterable of dicts"
     return {r['sample_id']: r for r in rows}
+
+# %% ../nbs/51_store.ipynb #30f2021b
+def _check_prefixes(d, files) -> list:
+    "Every shared prefix has its base in the store, with the same token ids before it"
+    rows = [r for f in files for r in _rows_or_none(f)]
+    by, p = {r['sample_id']: r for r in rows}, []
+    ids = lambda r: _ids_of(d, r)
+    for r in (r for r in rows if r['prefix_of'] is not None):
+        b, n = by.get(r['prefix_of']), r['prefix_len']
+        if b is None:
+            p.append(
+                f"{r['shard']}: sample {r['sample_id']} shares the states of {r['prefix_of']}, which no shard holds"
+            )
+        elif b['length'] < n or ids(r)[:n] != ids(b)[:n]:
+            p.append(f"{r['shard']}: sample {r['sample_id']}: its first {n} token ids differ from {r['prefix_of']}'s")
+    return p
+
+
+def _rows_or_none(f) -> list:  # a shard validate reports as unreadable is left out here
+    try:
+        return shard_rows(f)
+    except ValueError:
+        return []
+
+
+def _ids_of(d, r: dict) -> list:
+    with open_shard(Path(d) / r['shard']) as f:
+        return f.get_slice('input_ids')[r['token_offset'] : r['token_offset'] + r['length']].tolist()
 
 # %% ../nbs/51_store.ipynb #ca258523
 def validate(
@@ -584,6 +691,7 @@ def validate(
             if corpus is not None:
                 p += _check_corpus(path.name, f, meta, corpus)
             tokens += f.get_slice('input_ids').get_shape()[0]
+    p += _check_prefixes(d, files)
     rep = dict(
         shards=len(files), samples=len(seen), tokens=tokens, bytes=sum(f.stat().st_size for f in files), problems=p
     )

@@ -41,19 +41,28 @@ pytestmark = pytest.mark.skipif(
 # (qwen3-tiny: 4.9e-4 at values ~300-500; kimi-tiny: 0.59 at values ~700, 8e-4 relative: vLLM computes MLA in its
 # absorbed form, another order of operations, and the toy's random weights amplify the difference with depth)
 QWEN3_TOL, KIMI_TOL = 2e-3, 1.0
+PER_SHARD = ('sample_ids', 'prefixes')  # metadata of one shard's samples, not of the store
 
 
 def corpus(root: Path, vocab: int, n: int, lo: int, hi: int, seed: int = 0):
-    "A merged-corpus train split of `n` random-token samples of lengths in [lo, hi]"
+    """A merged-corpus train split of `n` random-token samples of lengths in [lo, hi], in conversations of three: the
+    second and third of each begin with the first one's first p tokens (p >= 33), as answered turns of a trajectory
+    do, so the store keeps those states once (`store.shared_prefixes`)"""
     g = random.Random(seed)
     rows = []
     for i in range(n):
         L = g.randint(lo, hi)
+        ids = [g.randrange(10, vocab - 10) for _ in range(L)]
+        if i % 3 and len(first) > 40:
+            p = g.randint(33, len(first) - 1)
+            ids = (first[:p] + ids)[: max(L, p + 1)]
+        first = ids if i % 3 == 0 else first
         rows.append(
             dict(
                 sample_id=f'x{seed}-{i:04d}',
-                input_ids=[g.randrange(10, vocab - 10) for _ in range(L)],
-                loss_mask=[int(j >= L // 3) for j in range(L)],
+                conversation_id=f'c{seed}-{i // 3:04d}',
+                input_ids=ids,
+                loss_mask=[int(j >= len(ids) // 3) for j in range(len(ids))],
                 spans=[],
                 dataset='syn',
             )
@@ -80,7 +89,7 @@ def recipe_for(tmp: Path, toy: str, extract: list = (), **target):
 
 
 def hf_store(model_dir, ds, out, mode, aux):
-    "The HF path's store of `ds` (float32 forward, as the engine's on CPU)"
+    "The HF path's store of `ds` (float32 forward, as the engine's on CPU), each sample whole"
     m = load_target(model_dir, dtype=torch.float32)
     extract(
         m,
@@ -90,6 +99,7 @@ def hf_store(model_dir, ds, out, mode, aux):
         mode=mode,
         target=target_id(model_dir),
         template_sha256=template_sha256(load_tokenizer(model_dir)),
+        share=False,  # whole: each sample from its own forward, the reference a shared store reads back equal to
     )
     return out
 
@@ -164,6 +174,7 @@ def test_qwen3_engine_store_equals_hf_store(qwen3):
     ]
     root = Path(r.data_root)
     assert validate(root / 'hidden' / 'nf4' / 'train')['problems'] == []
+    assert sum(x['prefix_len'] > 0 for x in read_index(root / 'hidden' / 'bf16' / 'train')) >= 8  # turns share
     bf, cp = HiddenStates(root / 'hidden' / 'bf16' / 'train'), HiddenStates(root / 'hidden' / 'compact' / 'train')
     raw = HiddenStates(root / 'hidden' / 'nf4' / 'train', raw=True)
     for i, s in enumerate(HiddenStates(root / 'hidden' / 'nf4' / 'train')):
@@ -178,7 +189,9 @@ def test_qwen3_engine_store_equals_hf_store(qwen3):
     for mode in ('bf16', 'compact'):
         hf = hf_store(r.target.model, ds, tmp / 'hf' / mode, mode, ts['aux_layers'])
         me, mh = read_meta(shard_files(root / 'hidden' / mode / 'train')[0]), read_meta(shard_files(hf)[0])
-        assert {k: v for k, v in me.items() if k != 'sample_ids'} == {k: v for k, v in mh.items() if k != 'sample_ids'}
+        assert {k: v for k, v in me.items() if k not in PER_SHARD} == {
+            k: v for k, v in mh.items() if k not in PER_SHARD
+        }
         d = compare(root / 'hidden' / mode / 'train', hf, len(ts['aux_layers']), QWEN3_TOL)
         print(f'qwen3 {mode}: engine vs HF {d}')
         if mode == 'bf16':
@@ -468,9 +481,12 @@ def test_sglang_qwen3_stores_equal_hf(sg_qwen3):
     for mode in ('bf16', 'compact', 'nf4'):
         store = root / 'hidden' / mode / 'train'
         assert validate(store, corpus=ds)['problems'] == []
+        assert sum(x['prefix_len'] > 0 for x in read_index(store)) >= 8  # the later turns share the first's states
         hf = hf_store(r.target.model, ds, tmp / 'hf' / mode, mode, ts['aux_layers'])
         me, mh = read_meta(shard_files(store)[0]), read_meta(shard_files(hf)[0])
-        assert {k: v for k, v in me.items() if k != 'sample_ids'} == {k: v for k, v in mh.items() if k != 'sample_ids'}
+        assert {k: v for k, v in me.items() if k not in PER_SHARD} == {
+            k: v for k, v in mh.items() if k not in PER_SHARD
+        }
         d = compare(store, hf, n_aux, SGLANG_TOL)
         print(f'qwen3 {mode}: SGLang vs HF {d}')
         if mode == 'bf16':

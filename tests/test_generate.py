@@ -656,6 +656,64 @@ def test_prefix_each_turn_on_its_recorded_prefix_one_sample_each(policy_run):
     assert len(_samples(r, 'swe')) == 3
 
 
+def test_answered_turns_share_the_trajectory_states(policy_run, kimi_tiny, tmp_path):
+    """The answered turns of the demo's SWE-agent trajectory and an OpenHands one (prefix policy), extracted into a
+    shared store and a whole one: read back, every position of every sample is bit for bit what the whole store holds
+    for the sample whose forward computed it (the sample itself, or the one it shares the prefix of: the same tokens
+    up to there); the shared store holds each trajectory's recorded states once plus each answer's"""
+    from datasets import concatenate_datasets
+    from eagle3nb.extract import extract_modes, load_target
+    from eagle3nb.store import validate
+
+    r = policy_run[0]
+    ds = concatenate_datasets([_samples(r, 'oh'), _samples(r, 'swe')])
+    model, st = load_target(kimi_tiny), {}
+    modes = ('bf16', 'compact', 'nf4')  # every mode from one forward a batch, as extraction runs them
+    for share in (False, True):
+        outs = {m: tmp_path / ('shared' if share else 'whole') / m for m in modes}
+        st[share] = extract_modes(model, ds, outs, [1, 2, 3], topk=8, shard_bytes=20_000, share=share)
+        assert all(validate(o, corpus=ds)['problems'] == [] for o in outs.values())
+    for mode in modes:
+        check_shared(policy_run[0], tmp_path / 'whole' / mode, tmp_path / 'shared' / mode, mode)
+        assert st[True][mode]['stored_tokens'] < st[False][mode]['stored_tokens'] == st[False][mode]['tokens']
+        print(f"{mode}: whole {st[False][mode]['stored_tokens']} state rows, shared {st[True][mode]['stored_tokens']}")
+
+
+def check_shared(r, whole_dir, shared_dir, mode):
+    "Shared store `shared_dir` against whole store `whole_dir` of the same samples (see the test above)"
+    import torch
+    from eagle3nb.store import HiddenStates, read_index
+
+    rows = {x['sample_id']: x for x in read_index(shared_dir)}
+    for rec in ('oh', 'swe'):  # turns t00 < t01 < t02 of one rendered row: the recorded part once, each answer once
+        g = _samples(r, rec)
+        starts = [x['spans'][0][0] for x in g]
+        assert sum(rows[s]['length'] - rows[s]['prefix_len'] for s in g['sample_id']) == max(starts) + sum(
+            len(x['input_ids']) - a for x, a in zip(g, starts)
+        )
+    whole = HiddenStates(whole_dir)
+    shared = HiddenStates(shared_dir, sample_ids=[x['sample_id'] for x in whole.rows])
+    W = {x['sample_id']: x for x in whole}
+
+    def made_by(sid, t):  # the sample whose forward the shared store keeps position t of `sid` from
+        x = rows[sid]
+        while t < x['prefix_len']:
+            x = rows[x['prefix_of']]
+        return x['sample_id']
+
+    names = ('aux', 'final') if mode == 'bf16' else ('aux', 'topk_p', 'topk_idx')
+    for a, b in zip(whole, shared):  # bitwise: each position as its own forward's whole store holds it
+        assert a['sample_id'] == b['sample_id']
+        assert torch.equal(a['input_ids'], b['input_ids']) and torch.equal(a['loss_mask'], b['loss_mask'])
+        src = [made_by(a['sample_id'], t) for t in range(len(a['input_ids']))]
+        for k in names:
+            want = torch.stack([W[s][k][t] for t, s in enumerate(src)])
+            assert torch.equal(b[k], want), (a['sample_id'], k)
+        if a['sample_id'] != src[0]:
+            noise = (a['aux'].float() - b['aux'].float()).abs().max().item()  # float32 over another length
+            print(f"{a['sample_id']}: {src.count(src[0])}/{len(src)} from {src[0]}, |aux whole - shared| {noise:.3g}")
+
+
 def test_turns_chat_rendered_with_the_targets_answers_every_turn_supervised(policy_run, kimi_tiny):
     "A `turns` chat becomes rendered samples whose history holds the target's answers, each of them supervised"
     from eagle3nb.generate import conversations

@@ -97,7 +97,7 @@ def run(ctx: RunContext, p: Params) -> Record:
     for d in r.datasets:
         if (out / d.name).exists():
             dirs = root / 'rendered' / d.name, out / d.name, tok, root / 'prepared' / d.name
-            done.append(dict(dataset=d.name, policy=pol[d.name], **completed_samples(*dirs)))
+            done.append(dict(dataset=d.name, policy=pol[d.name], **completed_samples(*dirs, p.supervise_recorded)))
     rows, by_policy = outcome_table(records_df(out)).to_dict('records'), policy_table(r, p.kinds, out, done)
     kw = dict(generated=str(out), catalog=r.catalog, parity=par, rate=rate)
     return Record(summary=s, outcomes=rows, policies=by_policy, completed=done, **kw)
