@@ -57,6 +57,13 @@ class PlanParams(Params):
     prompt_share: float = Field(
         0.5, ge=0, le=1, description="share of a recorded chat's tokens that are not the answers regeneration replaces"
     )
+    supervised_share: float = Field(
+        0.3,
+        ge=0,
+        le=1,
+        description="share of a recorded sample's tokens under its loss mask (its recorded answers), for a dataset "
+        "not in the catalog yet: a kept trace's supervision, a trajectory's recorded turns",
+    )
     dataset_prompt_tokens: dict = Field(
         {}, description='per-dataset tokens a regenerated chat keeps (its prompts), as name -> tokens; default by share'
     )
@@ -125,7 +132,10 @@ def non_default(**kw) -> dict:
 # %% ../nbs/90_plan.ipynb #4e9785c6
 PHASE_DEFAULTS = dict(
     catalog=dict(max_ctx=10240, max_new_tokens=2048, long_ctx=32768, c_main=192, c_long=16),  # catalog.partition's
-    generate={k: GEN_DEFAULTS[k] for k in ('mode', 'kinds', 'max_new_tokens', 'c_main', 'c_long', 'max_turns')},
+    generate={
+        k: GEN_DEFAULTS[k]
+        for k in ('mode', 'kinds', 'max_new_tokens', 'c_main', 'c_long', 'max_turns', 'supervise_recorded')
+    },
     merge=dict(eval_fraction=0.02),
     vocab=dict(draft_vocab=32_000),
     extract=dict(modes='bf16', topk=64, engine='hf'),  # modes '' means bf16 for a recipe
@@ -246,18 +256,32 @@ def regen_cost(
     answer: int,  # tokens of one answer
     share: float = 0.5,  # `prompt_share`
     max_turns: int = 0,  # prefix: turns answered per sample at most; 0: all
-) -> dict:  # requests, response_tokens, stored samples, extract_tokens
-    "What one group costs the generate phase, and what of it reaches the hidden-state store"
+    recorded: int = 0,  # tokens under the recorded loss mask (kept traces; a trajectory's recorded turns)
+    supervise_recorded: bool = False,  # prefix: the recorded turns supervised too (`GenParams.supervise_recorded`)
+) -> dict:  # requests, response_tokens, stored samples, supervised, extract_tokens, whole_tokens
+    "What one group costs the generate phase, what training supervises, and what reaches the hidden-state store"
+    "(extract_tokens: with each conversation's shared prefix stored once; whole_tokens: every sample whole, as a"
+    "forward over each sample, training included, reads them)"
     if policy == 'once':
-        return dict(requests=n, response_tokens=n * answer, stored=n, extract_tokens=tokens + n * answer)
+        x = tokens + n * answer
+        return dict(
+            requests=n, response_tokens=n * answer, stored=n, supervised=n * answer, extract_tokens=x, whole_tokens=x
+        )
     if policy == 'turns':
         resp = events * answer
-        return dict(requests=events, response_tokens=resp, stored=n, extract_tokens=round(tokens * share) + resp)
+        x = round(tokens * share) + resp
+        return dict(requests=events, response_tokens=resp, stored=n, supervised=resp, extract_tokens=x, whole_tokens=x)
     if policy == 'prefix':
         t = min(events, n * max_turns) if max_turns else events
         mean = tokens / n if n else 0
-        return dict(requests=t, response_tokens=t * answer, stored=t, extract_tokens=round(t * (mean / 2 + answer)))
-    return dict(requests=0, response_tokens=0, stored=n, extract_tokens=tokens)
+        whole = round(t * (mean / 2 + answer))  # each turn on its recorded prefix, half the trajectory on average
+        sup = t * answer + (round(recorded * t / max(events, 1)) if supervise_recorded else 0)
+        shared = min(whole, tokens + t * answer)  # the recorded trajectory once, then each answer
+        cost = dict(requests=t, response_tokens=t * answer, stored=t, supervised=sup)
+        return dict(cost, extract_tokens=shared, whole_tokens=whole)
+    return dict(
+        requests=0, response_tokens=0, stored=n, supervised=recorded, extract_tokens=tokens, whole_tokens=tokens
+    )
 
 
 def gen_seconds(resp: dict, conc: dict, gen_tok_s: float) -> float:  # resp, conc: {partition: tokens / concurrency}
@@ -304,6 +328,12 @@ def _groups(r: Recipe, p: PlanParams, cat: dict, gen_kinds) -> tuple:  # groups,
     return g, st, have
 
 # %% ../nbs/90_plan.ipynb #70ca4e68
+def _recorded(x, p: PlanParams) -> int:
+    "A group's tokens under the recorded loss mask: the catalog's, else estimated by `supervised_share`"
+    known = x.supervised is not None and x.supervised == x.supervised  # None or NaN: an estimated group
+    return int(x.supervised) if known else round(x.tokens * p.supervised_share)
+
+
 def _add_generation(g, p: PlanParams, parts: dict, gen: dict):
     g['generated'] = g.policy.isin(['once', 'turns', 'prefix']) & (g.part != 'excluded')
     rows = []
@@ -322,10 +352,12 @@ def _add_generation(g, p: PlanParams, parts: dict, gen: dict):
             answer,
             share,
             gen.get('max_turns') or 0,
+            _recorded(x, p),
+            bool(gen.get('supervise_recorded')),
         )
         rows.append({k: v if x.part != 'excluded' else 0 for k, v in c.items()})
-    for k in ('requests', 'response_tokens', 'stored', 'extract_tokens'):
-        g[k] = [int(r[k]) for r in rows] if rows else []
+    for k in ('requests', 'response_tokens', 'stored', 'supervised_train', 'extract_tokens', 'whole_tokens'):
+        g[k] = [int(r[k.removesuffix('_train')]) for r in rows] if rows else []
         g[k] = g[k].astype('int64')
     return g
 
@@ -390,23 +422,34 @@ def _dataset_rows(r: Recipe, g, st, have: set) -> list:  # g, st: `catalog_group
                 requests=int(x.requests.sum()),
                 stored=int(x.stored.sum()),
                 response_tokens=int(x.response_tokens.sum()),
+                supervised_train=int(x.supervised_train.sum()),
                 extract_tokens=int(x.extract_tokens.sum()),
+                whole_tokens=int(x.whole_tokens.sum()),
             )
         )
     return rows
 
 
-def categories(rows: list) -> list:  # one dict per category: category, datasets, samples, share, generated
-    "The mix by category (the datasets' `category`), as shares of the samples"
-    tot = sum(d['samples'] for d in rows) or 1
+_SUMS = ('samples', 'generated', 'supervised_train', 'extract_tokens')
+
+
+def categories(
+    rows: list,
+) -> list:  # one dict per category: datasets, samples, supervised_train, extract_tokens, shares
+    "The mix by category (the datasets' `category`): records, supervised tokens and extracted tokens, with shares"
+    tot = {k: sum(d[k] for d in rows) or 1 for k in _SUMS}
     out = {}
     for d in rows:
-        c = out.setdefault(d['category'], dict(category=d['category'], datasets=[], samples=0, generated=0))
+        c = out.setdefault(d['category'], dict(category=d['category'], datasets=[], **dict.fromkeys(_SUMS, 0)))
         c['datasets'].append(d['name'])
-        c['samples'] += d['samples']
-        c['generated'] += d['generated']
-    res = sorted(out.values(), key=lambda c: -c['samples'])
-    return [dict(c, datasets=', '.join(c['datasets']), share=f"{100 * c['samples'] / tot:.1f}%") for c in res]
+        for k in _SUMS:
+            c[k] += d[k]
+    res = sorted(out.values(), key=lambda c: -c['supervised_train'])
+    pct = lambda c, k: f"{100 * c[k] / tot[k]:.1f}%"
+    return [
+        dict(c, datasets=', '.join(c['datasets']), share=pct(c, 'samples'), supervised_share=pct(c, 'supervised_train'))
+        for c in res
+    ]
 
 # %% ../nbs/90_plan.ipynb #b6359f4b
 def disk_space(r: Recipe, p: PlanParams) -> tuple:  # (where, bytes, how it was known)
@@ -492,8 +535,10 @@ def rates(r: Recipe, p: PlanParams) -> dict:  # phase -> dict(tok_s, source, mea
 
 
 def _times(r: Recipe, p: PlanParams, hid: dict, rt: dict) -> tuple:  # extract, train dicts
-    n_modes, nodes = len(hid['planned']), p.extract_nodes
-    toks, eng = hid['tokens'] * n_modes, phase_params(r, 'extract')['engine']
+    n_modes, nodes, eng = len(hid['planned']), p.extract_nodes, phase_params(r, 'extract')['engine']
+    cached = eng == 'vllm'  # vLLM's prefix cache computes a shared prefix once; HF and SGLang's extraction each sample
+    fwd = hid['tokens'] if cached else hid['whole_tokens']
+    toks = fwd * n_modes
     per_sample = p.extract_samples_s and not rt['extract']['measured']
     fleet_s = p.extract_samples_s * (nodes if p.extract_samples_s_per == 'server' else 1)  # samples/s, all nodes
     said = (
@@ -508,14 +553,18 @@ def _times(r: Recipe, p: PlanParams, hid: dict, rt: dict) -> tuple:  # extract, 
         engine=eng,
         tok_s=rt['extract']['tok_s'],
         source=f'stated: phases.plan.extract_samples_s {said}' if per_sample else rt['extract']['source'],
-        seconds=hid['samples'] * n_modes / fleet_s if per_sample else toks / (rt['extract']['tok_s'] * nodes),
-        hf_seconds=toks / (p.extract_tok_s * nodes),
-        engine_seconds=toks / (p.extract_engine_tok_s * nodes),
+        cached=cached,
+        whole_tokens=hid['whole_tokens'] * n_modes,
+        seconds=hid['samples'] * n_modes * fwd / max(hid['whole_tokens'], 1) / fleet_s
+        if per_sample
+        else toks / (rt['extract']['tok_s'] * nodes),
+        hf_seconds=hid['whole_tokens'] * n_modes / (p.extract_tok_s * nodes),
+        engine_seconds=hid['tokens'] * n_modes / (p.extract_engine_tok_s * nodes),
         gpus=nodes * p.gpus_per_node,
     )
     tr = phase_params(r, 'train')
     ef = phase_params(r, 'merge')['eval_fraction']
-    toks, samples = hid['tokens'] * (1 - ef), int(hid['samples'] * (1 - ef))
+    toks, samples = hid['whole_tokens'] * (1 - ef), int(hid['samples'] * (1 - ef))  # each sample read whole
     per_step = tr['batch_size'] * p.gpus
     train = dict(
         train_tokens=int(toks),
@@ -968,7 +1017,8 @@ def summary(f: dict) -> dict:
         ),
         'samples, tokens (before generation)': f"{fmt_n(n_samples)} samples, "
         f"{fmt_n(sum(d['tokens'] for d in f['datasets']))} tokens",
-        'mix': ' · '.join(f"{c['category']} {c['share']}" for c in f['categories']),
+        'mix (records)': ' · '.join(f"{c['category']} {c['share']}" for c in f['categories']),
+        'mix (supervised tokens)': ' · '.join(f"{c['category']} {c['supervised_share']}" for c in f['categories']),
         'partitions (samples)': parts,
         'regenerated by the target': f"{fmt_n(g['samples'])} of {fmt_n(n_samples)} samples: "
         + ', '.join(f"{x['policy']} {fmt_n(x['regenerated'])}" for x in g['policies'] if x['regenerated'])
@@ -1045,6 +1095,7 @@ def plan_facts(
     g = _add_generation(g, p, parts, gen)
     kept = g.part != 'excluded'
     hid = _hidden(r, p, dims, int(g.extract_tokens.sum()), int(g.stored[kept].sum()))
+    hid['whole_tokens'] = int(g.whole_tokens.sum())  # every sample at its full length: what training reads
     rt = rates(r, p)
     ext, train = _times(r, p, hid, rt)
     f = dict(
@@ -1117,9 +1168,21 @@ _TOK_COLS = dict(
     requests='requests',
     stored='stored samples',
     response_tokens='+ responses',
+    supervised_train='supervised in training',
     extract_tokens='to extract',
+    whole_tokens='as whole samples',
 )
 _PART_COLS = dict(name='dataset', main='main', long='long', excluded='excluded', unpartitioned='not partitioned yet')
+_CAT_COLS = dict(
+    category='category',
+    datasets='datasets',
+    samples='records',
+    share='share',
+    generated='generated',
+    supervised_train='supervised tokens',
+    supervised_share='share of supervised',
+    extract_tokens='to extract',
+)
 
 
 def _sec_data(f: dict) -> list:
@@ -1133,20 +1196,26 @@ def _sec_data(f: dict) -> list:
         "(see Assumptions).",
         md_table(ds, _DS_COLS),
         '## Mix',
-        'Shares of the samples by category (each dataset\'s `category`); generated = samples the target answers.',
-        md_table(
-            f['categories'],
-            dict(category='category', datasets='datasets', samples='samples', share='share', generated='generated'),
-        ),
+        "By category (each dataset's `category`): records = the samples as recorded; generated = those the target "
+        "answers; supervised = the tokens training learns from (the target's answers, and what is kept as recorded); "
+        "to extract = the tokens the hidden-state store holds (a trajectory's recorded part once, then each answer).",
+        md_table(f['categories'], _CAT_COLS),
         '## Token statistics',
         'Tokens per sample as rendered (total_tokens); supervised = tokens under the loss mask; '
         'generated = samples the '
         'generate phase answers; requests = its requests for them; stored samples = what reaches training (a '
-        'prefix-policy turn is a sample of its own); + responses = their assumed response tokens; to extract = '
-        'tokens that reach the hidden-state store.',
+        'prefix-policy turn is a sample of its own); + responses = their assumed response tokens; supervised in '
+        'training = the tokens under the loss mask then; to extract = tokens the hidden-state store holds (the '
+        'samples of one conversation store their common prefix once); as whole samples = every sample at its full '
+        'length, what a forward over each sample reads (training, an extraction without a prefix cache).',
         md_table(
             ds
-            + [tot(['tokens', 'supervised', 'generated', 'requests', 'stored', 'response_tokens', 'extract_tokens'])],
+            + [
+                tot(
+                    ['tokens', 'supervised', 'generated', 'requests', 'stored', 'response_tokens']
+                    + ['supervised_train', 'extract_tokens', 'whole_tokens']
+                )
+            ],
             _TOK_COLS,
         ),
         '## Partitions',
@@ -1256,8 +1325,14 @@ def _sec_cost(f: dict) -> list:
             ),
         ),
         '## Extraction',
-        f"One forward per mode over every stored token: {fmt_n(e['tokens'])} tokens in {fmt_n(h['samples'])} samples "
-        f"on {e['nodes']} node(s), engine `{e['engine']}`, "
+        f"{fmt_n(h['samples'])} samples, {fmt_n(e['whole_tokens'])} tokens as whole samples; "
+        + (
+            f"vLLM's prefix cache computes each conversation's shared prefix once (its samples are asked together), "
+            f"so the engine computes about the {fmt_n(e['tokens'])} tokens the store keeps, "
+            if e['cached']
+            else f"engine `{e['engine']}` computes every sample whole ({fmt_n(e['tokens'])} tokens), "
+        )
+        + f"on {e['nodes']} node(s), engine `{e['engine']}`, "
         + (
             f"at {fmt_n(p['extract_samples_s'])} samples/s ({e['source']}): "
             if 'samples_s' in e['source']
