@@ -468,217 +468,190 @@ class EngineSession:
     def __exit__(self, *exc):
         self.close()
 
-# %% ../nbs/06_phase.ipynb #b02abc82
-from fastcore.basics import patch
+    def start(self, srv, how: str = 'started', engine: str = None, wait: bool = True) -> Endpoint:
+        "Launch `srv` (a `LocalServer`, `VllmServer`, `SglangServer`) and, unless `wait=False`, wait until it answers"
+        self.started.append(srv)
+        if not srv.running:
+            srv.start()
+        engine = engine or getattr(srv, 'engine', 'transformers')
+        ep = Endpoint(srv.base_url, srv.model, None, how, engine, srv)
+        return self.wait(ep) if wait else ep
 
-
-@patch
-def start(self: EngineSession, srv, how: str = 'started', engine: str = None, wait: bool = True) -> Endpoint:
-    "Launch `srv` (a `LocalServer`, `VllmServer`, `SglangServer`) and, unless `wait=False`, wait until it answers"
-    self.started.append(srv)
-    if not srv.running:
-        srv.start()
-    engine = engine or getattr(srv, 'engine', 'transformers')
-    ep = Endpoint(srv.base_url, srv.model, None, how, engine, srv)
-    return self.wait(ep) if wait else ep
-
-
-@patch
-def wait(self: EngineSession, ep: Endpoint) -> Endpoint:
-    "`ep` once its server answers; a server that fails to start is stopped here and its error raised"
-    if ep.server is None:  # pointed at (the recipe's, the run's own): it answered when pointed at
+    def wait(self, ep: Endpoint) -> Endpoint:
+        "`ep` once its server answers; a server that fails to start is stopped here and its error raised"
+        if ep.server is None:  # pointed at (the recipe's, the run's own): it answered when pointed at
+            return ep
+        try:
+            ep.server.wait_ready()
+        except BaseException:
+            self.stop(ep)
+            raise
         return ep
-    try:
-        ep.server.wait_ready()
-    except BaseException:
-        self.stop(ep)
-        raise
-    return ep
 
+    def stop(self, ep: Endpoint):
+        "Stop the server of `ep` when it was started here; a recipe's or the run's own server is left alone"
+        if any(s is ep.server for s in self.started):
+            self.started = [s for s in self.started if s is not ep.server]
+            ep.server.stop()
+        self._baselines = {k: b for k, b in self._baselines.items() if b is not ep}
+        if self._target is ep:
+            self._target = None
 
-@patch
-def stop(self: EngineSession, ep: Endpoint):
-    "Stop the server of `ep` when it was started here; a recipe's or the run's own server is left alone"
-    if any(s is ep.server for s in self.started):
-        self.started = [s for s in self.started if s is not ep.server]
-        ep.server.stop()
-    self._baselines = {k: b for k, b in self._baselines.items() if b is not ep}
-    if self._target is ep:
-        self._target = None
+    def close(self):
+        "Stop every server started here, newest first"
+        while self.started:
+            self.started.pop().stop()
+        self._target, self._baselines = None, {}
 
-
-@patch
-def close(self: EngineSession):
-    "Stop every server started here, newest first"
-    while self.started:
-        self.started.pop().stop()
-    self._target, self._baselines = None, {}
-
-# %% ../nbs/06_phase.ipynb #23df5d3f
-@patch
-def target(self: EngineSession, engine: str = None) -> Endpoint:
-    "The target alone: the recipe's endpoints, else a server of it started here (by `engine`, else `target_engine()`)"
-    if self._target:
+    def target(self, engine: str = None) -> Endpoint:
+        "The target alone: the recipe's endpoints, else a server of it started here (`engine`, else `target_engine()`)"
+        if self._target:
+            return self._target
+        t = self.r.target
+        if t.endpoints:
+            how = 'reused' if t.served_here else 'recipe'
+            ep = self.point(t.endpoints[0], t.served_name)
+            self._target = Endpoint(ep.base_url, ep.model, ep.api_key, how, ep.engine)
+            return self._target
+        engine = engine or self.target_engine()
+        self._target = self.start(self.target_server(engine), 'started', engine)
         return self._target
-    t = self.r.target
-    if t.endpoints:
-        how = 'reused' if t.served_here else 'recipe'
-        ep = self.point(t.endpoints[0], t.served_name)
-        self._target = Endpoint(ep.base_url, ep.model, ep.api_key, how, ep.engine)
-        return self._target
-    engine = engine or self.target_engine()
-    self._target = self.start(self.target_server(engine), 'started', engine)
-    return self._target
 
+    def point(self, url: str, model: str = None) -> Endpoint:
+        "A server named by `url` (the recipe's or a parameter's), pointed at as it is: never started, never stopped"
+        import httpx
+        from eagle3nb.server import ServerNotReady, list_models
 
-@patch
-def point(self: EngineSession, url: str, model: str = None) -> Endpoint:
-    "A server named by `url` (the recipe's or a parameter's), pointed at as it is: never started, never stopped"
-    import httpx
-    from eagle3nb.server import ServerNotReady, list_models
+        key = api_key(self.r) if self.r.target.api_key_env else None
+        try:
+            model = model or list_models(url, api_key=key)[0]
+        except httpx.TransportError as e:  # nothing answers there: the user's to fix, in one line
+            fix = 'start it, or fix the URL in the recipe (target.endpoints, serving)'
+            raise ServerNotReady(f"{url}: no server answers ({e}); {fix}") from None
+        return Endpoint(url, model, key, 'recipe', self.engine_at(url))
 
-    key = api_key(self.r) if self.r.target.api_key_env else None
-    try:
-        model = model or list_models(url, api_key=key)[0]
-    except httpx.TransportError as e:  # nothing answers there: the user's to fix, in one line
-        fix = 'start it, or fix the URL in the recipe (target.endpoints, serving)'
-        raise ServerNotReady(f"{url}: no server answers ({e}); {fix}") from None
-    return Endpoint(url, model, key, 'recipe', self.engine_at(url))
+    def target_engine(self) -> str:
+        "Who serves the target when the recipe lists no endpoints: `target.engine`, else vLLM when installed"
+        from eagle3nb.engine import engine_available, sglang_available
 
-
-@patch
-def target_engine(self: EngineSession) -> str:
-    "Who serves the target when the recipe lists no endpoints: `target.engine`, else vLLM when installed"
-    from eagle3nb.engine import engine_available, sglang_available
-
-    t = self.r.target
-    if t.engine == 'sglang' and not sglang_available(self.python):
-        raise RecipeError(
-            "target.engine: sglang, but no SGLang is installed here: run `make engine`, "
-            "or set EAGLE3NB_SGLANG to an SGLang venv or its python"
-        )
-    if t.engine == 'sglang':
-        return 'sglang'
-    if t.engine == 'vllm' and not engine_available(self.python):
-        raise RecipeError(
-            "target.engine: vllm, but no vLLM is installed here: run `make engine`, "
-            "or set EAGLE3NB_VLLM to a vLLM venv or its python"
-        )
-    if t.engine == 'transformers' or (t.engine is None and not engine_available(self.python)):
-        return 'transformers'
-    return 'vllm'
-
-
-@patch
-def target_server(self: EngineSession, engine: str = None):
-    "A server (not started) of the target alone, with its family's parsers; its context the model's own, at most 8192"
-    from eagle3nb.engine import SglangServer, VllmServer
-    from eagle3nb.server import LocalServer
-
-    engine = engine or self.target_engine()
-    if engine == 'transformers':
-        return self.flagged(LocalServer(self.target_dir, log_path=self._log('server.log')))  # `transformers serve` too
-    c = text_config(self.target_dir)  # a VLM package: its language model's context
-    max_len = min(int(c.get('max_position_embeddings') or 2048), 8192)
-    kw = dict(log_path=self._log('server.log'), launch=role(self.r, 'generate').launch, context=max_len)
-    kw['extra'] = parser_flags(self.target_dir, engine, self.r.target.thinking)  # chat requests with tools, thinking
-    if engine == 'sglang':
-        return SglangServer(self.target_dir, **kw, **self._py(), **self.engine_flags)
-    return VllmServer(self.target_dir, **kw, **self._py(), **self.engine_flags)
-
-
-@patch
-def available(self: EngineSession, python=None) -> bool:
-    "Is the session's engine (`kind`) installed here (or at `python`)?"
-    from eagle3nb.engine import engine_available, sglang_available
-
-    return (sglang_available if self.kind == 'sglang' else engine_available)(python or self.python)
-
-
-@patch
-def engine_at(self: EngineSession, url: str) -> str | None:
-    "Which engine answers at `url`: vllm (`/version`), sglang (`/server_info`), else None"
-    from eagle3nb.engine import sglang_server_info, vllm_version
-
-    if vllm_version(url) is not None:
+        t = self.r.target
+        if t.engine == 'sglang' and not sglang_available(self.python):
+            raise RecipeError(
+                "target.engine: sglang, but no SGLang is installed here: run `make engine`, "
+                "or set EAGLE3NB_SGLANG to an SGLang venv or its python"
+            )
+        if t.engine == 'sglang':
+            return 'sglang'
+        if t.engine == 'vllm' and not engine_available(self.python):
+            raise RecipeError(
+                "target.engine: vllm, but no vLLM is installed here: run `make engine`, "
+                "or set EAGLE3NB_VLLM to a vLLM venv or its python"
+            )
+        if t.engine == 'transformers' or (t.engine is None and not engine_available(self.python)):
+            return 'transformers'
         return 'vllm'
-    return 'sglang' if sglang_server_info(url) is not None else None
 
+    def target_server(self, engine: str = None):
+        "A server (not started) of the target alone, with its family's parsers; its context the model's, at most 8192"
+        from eagle3nb.engine import SglangServer, VllmServer
+        from eagle3nb.server import LocalServer
 
-@patch
-def _is_vllm(self: EngineSession, url: str) -> bool:
-    return self.engine_at(url) == 'vllm'
+        engine = engine or self.target_engine()
+        if engine == 'transformers':
+            return self.flagged(
+                LocalServer(self.target_dir, log_path=self._log('server.log'))
+            )  # `transformers serve` too
+        c = text_config(self.target_dir)  # a VLM package: its language model's context
+        max_len = min(int(c.get('max_position_embeddings') or 2048), 8192)
+        kw = dict(log_path=self._log('server.log'), launch=role(self.r, 'generate').launch, context=max_len)
+        kw['extra'] = parser_flags(
+            self.target_dir, engine, self.r.target.thinking
+        )  # chat requests with tools, thinking
+        if engine == 'sglang':
+            return SglangServer(self.target_dir, **kw, **self._py(), **self.engine_flags)
+        return VllmServer(self.target_dir, **kw, **self._py(), **self.engine_flags)
 
-# %% ../nbs/06_phase.ipynb #7bfd2f6f
-@patch
-def own_vllm(self: EngineSession):  # -> Endpoint | None
-    "The run's own server of the target (`target.served_here`) in the session's engine (`kind`), fit to be a baseline"
-    t = self.r.target
-    if t.served_here and t.endpoints and self.engine_at(t.endpoints[0]) == self.kind:
-        return self.target()
-    return None
+    def available(self, python=None) -> bool:
+        "Is the session's engine (`kind`) installed here (or at `python`)?"
+        from eagle3nb.engine import engine_available, sglang_available
 
+        return (sglang_available if self.kind == 'sglang' else engine_available)(python or self.python)
 
-@patch
-def baseline(self: EngineSession, mla_disable: bool = False, python=None) -> Endpoint:
-    "The target alone: the recipe's (`serving.draft.baseline`), else the run's own when it fits, else one started here"
-    from eagle3nb.engine import SglangServer, VllmServer
+    def engine_at(self, url: str) -> str | None:
+        "Which engine answers at `url`: vllm (`/version`), sglang (`/server_info`), else None"
+        from eagle3nb.engine import sglang_server_info, vllm_version
 
-    if url := role(self.r, 'draft').baseline:  # the user's server of the target alone: pointed at, never started
-        return self.point(url, self.r.target.served_name)
-    if not mla_disable and (own := self.own_vllm()):
-        return own
-    key = (self.kind, bool(mla_disable), str(python or self.python))
-    if key not in self._baselines:
-        kw = dict(log_path=self._log('engine_baseline.log'), launch=role(self.r, 'draft').launch)
-        if self.kind == 'sglang':
-            srv = SglangServer(self.target_dir, **kw, **self._py(python), **self.engine_flags)
-        else:
-            flags = dict(mla_disable=mla_disable, **self._py(python), **self.engine_flags)
-            srv = VllmServer(self.target_dir, **kw, **flags)
-        self._baselines[key] = self.start(srv)
-    return self._baselines[key]
+        if vllm_version(url) is not None:
+            return 'vllm'
+        return 'sglang' if sglang_server_info(url) is not None else None
 
+    def _is_vllm(self, url: str) -> bool:
+        return self.engine_at(url) == 'vllm'
 
-@patch
-def speculative(
-    self: EngineSession,
-    draft,  # an exported EAGLE-3 folder
-    k: int = 3,  # num_speculative_tokens
-    mla_disable: bool = False,  # VLLM_MLA_DISABLE=1 (an MLA target, a Llama draft, the CPU build)
-    wait: bool = True,  # False: launched, `wait(ep)` next
-    python=None,  # the engine's python; default the session's
-    **flags,  # more `VllmServer` / `SglangServer` arguments
-) -> Endpoint:
-    "The target with `draft` as its speculator, `k` tokens a round, started here in the session's engine"
-    from eagle3nb.engine import SglangServer, VllmServer
+    def own_vllm(self):  # -> Endpoint | None
+        "The run's own server of the target (`target.served_here`) in the session's engine (`kind`): a baseline"
+        t = self.r.target
+        if t.served_here and t.endpoints and self.engine_at(t.endpoints[0]) == self.kind:
+            return self.target()
+        return None
 
-    own = role(self.r, 'draft').served_here  # the run's own server of its export (the runner's, for two phases)
-    same = own and Path(own['export']) == Path(draft).resolve() and int(own['k']) == int(k)
-    if same and not mla_disable and python is None and not flags:
-        return Endpoint(**{**vars(self.point(own['url'])), 'how': 'reused', 'engine': self.kind, 'log': own.get('log')})
-    log = flags.pop('log_path', None) or self._log('engine_speculative.log')
-    flags = {'launch': role(self.r, 'draft').launch, **self.engine_flags, **self._py(python), **flags}
-    if self.kind == 'sglang':  # its flags are `launch_sglang.sh`'s (`engine.sglang_spec_flags`)
-        srv = SglangServer(self.target_dir, draft=Path(draft).resolve(), k=int(k), log_path=log, **flags)
+    def baseline(self, mla_disable: bool = False, python=None) -> Endpoint:
+        "The target alone: the recipe's (`serving.draft.baseline`), else the run's own if it fits, else a new one"
+        from eagle3nb.engine import SglangServer, VllmServer
+
+        if url := role(self.r, 'draft').baseline:  # the user's server of the target alone: pointed at, never started
+            return self.point(url, self.r.target.served_name)
+        if not mla_disable and (own := self.own_vllm()):
+            return own
+        key = (self.kind, bool(mla_disable), str(python or self.python))
+        if key not in self._baselines:
+            kw = dict(log_path=self._log('engine_baseline.log'), launch=role(self.r, 'draft').launch)
+            if self.kind == 'sglang':
+                srv = SglangServer(self.target_dir, **kw, **self._py(python), **self.engine_flags)
+            else:
+                flags = dict(mla_disable=mla_disable, **self._py(python), **self.engine_flags)
+                srv = VllmServer(self.target_dir, **kw, **flags)
+            self._baselines[key] = self.start(srv)
+        return self._baselines[key]
+
+    def speculative(
+        self,
+        draft,  # an exported EAGLE-3 folder
+        k: int = 3,  # num_speculative_tokens
+        mla_disable: bool = False,  # VLLM_MLA_DISABLE=1 (an MLA target, a Llama draft, the CPU build)
+        wait: bool = True,  # False: launched, `wait(ep)` next
+        python=None,  # the engine's python; default the session's
+        **flags,  # more `VllmServer` / `SglangServer` arguments
+    ) -> Endpoint:
+        "The target with `draft` as its speculator, `k` tokens a round, started here in the session's engine"
+        from eagle3nb.engine import SglangServer, VllmServer
+
+        own = role(self.r, 'draft').served_here  # the run's own server of its export (the runner's, for two phases)
+        same = own and Path(own['export']) == Path(draft).resolve() and int(own['k']) == int(k)
+        if same and not mla_disable and python is None and not flags:
+            return Endpoint(
+                **{**vars(self.point(own['url'])), 'how': 'reused', 'engine': self.kind, 'log': own.get('log')}
+            )
+        log = flags.pop('log_path', None) or self._log('engine_speculative.log')
+        flags = {'launch': role(self.r, 'draft').launch, **self.engine_flags, **self._py(python), **flags}
+        if self.kind == 'sglang':  # its flags are `launch_sglang.sh`'s (`engine.sglang_spec_flags`)
+            srv = SglangServer(self.target_dir, draft=Path(draft).resolve(), k=int(k), log_path=log, **flags)
+            return self.start(srv, wait=wait)
+        spec = dict(method='eagle3', model=str(Path(draft).resolve()), num_speculative_tokens=int(k))
+        srv = VllmServer(self.target_dir, speculative=spec, mla_disable=mla_disable, log_path=log, **flags)
         return self.start(srv, wait=wait)
-    spec = dict(method='eagle3', model=str(Path(draft).resolve()), num_speculative_tokens=int(k))
-    srv = VllmServer(self.target_dir, speculative=spec, mla_disable=mla_disable, log_path=log, **flags)
-    return self.start(srv, wait=wait)
 
+    def extraction(self, make: Callable) -> Endpoint:
+        "A server that returns hidden states: the recipe's (`serving.extract.urls`), else `make()` started here"
+        urls = self.r.serving.extract.urls
+        if urls:  # never the generation servers (`target.endpoints`): they return no hidden states
+            return self.point(urls[0], self.r.target.served_name)
+        return self.start(self.flagged(make()))
 
-@patch
-def extraction(self: EngineSession, make: Callable) -> Endpoint:
-    "A server that returns hidden states: the recipe's (`serving.extract.urls`), else `make()` started here, flagged"
-    urls = self.r.serving.extract.urls
-    if urls:  # never the generation servers (`target.endpoints`): they return no hidden states
-        return self.point(urls[0], self.r.target.served_name)
-    return self.start(self.flagged(make()))
-
-
-@patch
-def flagged(self: EngineSession, srv):  # -> srv
-    "`srv` (built by a caller: `extraction`'s `make`) with the recipe's `--trust-remote-code` on its command line"
-    if self.r.target.trust_remote_code and '--trust-remote-code' not in getattr(srv, 'cmd', ['--trust-remote-code']):
-        srv.cmd = [*srv.cmd, '--trust-remote-code']
-    return srv
+    def flagged(self, srv):  # -> srv
+        "`srv` (built by a caller: `extraction`'s `make`) with the recipe's `--trust-remote-code` on its command line"
+        if self.r.target.trust_remote_code and '--trust-remote-code' not in getattr(
+            srv, 'cmd', ['--trust-remote-code']
+        ):
+            srv.cmd = [*srv.cmd, '--trust-remote-code']
+        return srv
