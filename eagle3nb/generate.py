@@ -47,8 +47,8 @@ class GenParams(Params):
     )
     supervise_recorded: bool = Field(
         False,
-        description="prefix: also supervise a trajectory's recorded turns (another model's text, under the target's "
-        "distribution from the store), each once: in the sample of the last turn answered after it",
+        description="prefix: also train on a trajectory's recorded turns (another model's text, under the target's "
+        "distribution from the store): each answered sample also kept as recorded",
     )
     temperature: float = Field(0.0, description='sampling temperature')
     top_p: float = Field(1.0, description='nucleus sampling')
@@ -1265,20 +1265,17 @@ def completion_ids(
     return ids
 
 # %% ../nbs/30_generate.ipynb #ba1e2292
-def _completed(row: dict, prompt: list, comp: list, sample_id: str, recorded: bool = False) -> dict:
+def _completed(row: dict, prompt: list, comp: list, sample_id: str) -> dict:
     "A training sample: `prompt` (ids of `row`'s rendering), then the target's `comp`, only `comp` supervised"
-    "(`recorded`: also the recorded answers of `row` that `prompt` holds whole)"
     n = len(prompt)
-    mask = [int(x) for x in row['loss_mask'][:n]] if recorded else [0] * n
-    spans = [list(s) for s in row['spans'] if s[1] <= n] if recorded else []
     return {
         **row,
         'sample_id': sample_id,
         'input_ids': list(prompt) + list(comp),
-        'loss_mask': mask + [1] * len(comp),
-        'spans': spans + [[n, n + len(comp)]],
+        'loss_mask': [0] * n + [1] * len(comp),
+        'spans': [[n, n + len(comp)]],
         'prompt_tokens': n,
-        'completion_tokens': sum(mask) + len(comp),
+        'completion_tokens': len(comp),
         'n_events': 1,
         'prompt_only': False,
     }
@@ -1286,17 +1283,18 @@ def _completed(row: dict, prompt: list, comp: list, sample_id: str, recorded: bo
 
 def raw_samples(rec: dict, rows: dict, tok, recorded: bool = False) -> list:
     "Training samples of a finished raw record: once, its prompt then the answer; prefix, one per `ok` turn"
-    "(`recorded`: the last of a rendered sample's turns also supervises the recorded answers before it)"
+    "(`recorded`: and each rendered sample those turns came from, as recorded, `<sample>-rec`)"
     if rec.get('policy') != 'prefix':
         row = rows[rec['sample_id']]
         return [_completed(row, prompt_ids_of(row), completion_ids(rec, tok), row['sample_id'])]
     ok = [t for t in rec['turns'] if t['status'] == 'ok']
-    last = {t['sample']: t['span'][0] for t in sorted(ok, key=lambda t: t['span'][0])}  # per sample: its last turn
     out = []
     for t in ok:
-        row, a = rows[t['sample']], t['span'][0]  # named after the sample and the span it answers anew
-        sid, rec_too = f"{t['sample']}-t{t['turn']:02d}", recorded and last[t['sample']] == a
-        out.append(_completed(row, row['input_ids'][:a], completion_ids(t, tok), sid, rec_too))
+        row = rows[t['sample']]  # named after the sample and the span it answers anew
+        sid = f"{t['sample']}-t{t['turn']:02d}"
+        out.append(_completed(row, row['input_ids'][: t['span'][0]], completion_ids(t, tok), sid))
+    if recorded:  # the recorded turns as rendered, supervised as recorded: a prefix of each shares a turn's
+        out += [{**rows[s], 'sample_id': f'{s}-rec'} for s in dict.fromkeys(t['sample'] for t in ok)]
     return out
 
 # %% ../nbs/30_generate.ipynb #05fd2032

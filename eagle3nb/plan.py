@@ -275,9 +275,12 @@ def regen_cost(
         t = min(events, n * max_turns) if max_turns else events
         mean = tokens / n if n else 0
         whole = round(t * (mean / 2 + answer))  # each turn on its recorded prefix, half the trajectory on average
-        sup = t * answer + (round(recorded * t / max(events, 1)) if supervise_recorded else 0)
         shared = min(whole, tokens + t * answer)  # the recorded trajectory once, then each answer
-        cost = dict(requests=t, response_tokens=t * answer, stored=t, supervised=sup)
+        sup, stored = t * answer, t
+        if supervise_recorded:  # each answered turn's sample also as recorded: its prefix shared, its answer new
+            rec = round(recorded * t / max(events, 1))
+            sup, shared, whole, stored = sup + rec, shared + rec, whole + round(t * mean / 2) + rec, 2 * t
+        cost = dict(requests=t, response_tokens=t * answer, stored=stored, supervised=sup)
         return dict(cost, extract_tokens=shared, whole_tokens=whole)
     return dict(
         requests=0, response_tokens=0, stored=n, supervised=recorded, extract_tokens=tokens, whole_tokens=tokens

@@ -679,6 +679,32 @@ def test_answered_turns_share_the_trajectory_states(policy_run, kimi_tiny, tmp_p
         print(f"{mode}: whole {st[False][mode]['stored_tokens']} state rows, shared {st[True][mode]['stored_tokens']}")
 
 
+def test_recorded_turns_kept_beside_the_answers(policy_run, kimi_tiny, tmp_path):
+    """`supervise_recorded`: each rendered sample a turn was answered in is also a training sample as recorded
+    (`-rec`: its ids and loss mask as rendered); it begins with the same tokens as that turn's answered sample, so the
+    store adds only its recorded answer's states"""
+    import shutil
+    from datasets import load_from_disk
+    from eagle3nb.generate import completed_samples
+    from eagle3nb.store import shared_prefixes
+
+    r = policy_run[0]
+    root, tok = Path(r.data_root), load_tokenizer(kimi_tiny)
+    shutil.copytree(root / 'generated' / 'oh', tmp_path / 'oh')
+    (tmp_path / 'oh' / 'samples').rename(tmp_path / 'answers-only')
+    st = completed_samples(root / 'rendered' / 'oh', tmp_path / 'oh', tok, root / 'prepared' / 'oh', recorded=True)
+    got, rendered = load_from_disk(str(tmp_path / 'oh' / 'samples')), _rendered(r, 'oh')
+    assert st['samples'] == 3 + 1 and got['sample_id'][:3] == _samples(r, 'oh')['sample_id']
+    rec = got[3]
+    assert rec['sample_id'] == rendered[0]['sample_id'] + '-rec'
+    assert (rec['input_ids'], rec['loss_mask']) == (rendered[0]['input_ids'], rendered[0]['loss_mask'])
+    plan = shared_prefixes(got['sample_id'], got['conversation_id'], lambda j: got[j]['input_ids'], min_tokens=1)
+    stored = sum(len(x['input_ids']) - plan.get(x['sample_id'], [None, 0])[1] for x in got)
+    last = got[2]  # the last turn: its prefix is the recorded trajectory up to its recorded answer
+    assert stored == len(rec['input_ids']) + sum(len(x['input_ids']) - x['spans'][0][0] for x in got.select(range(3)))
+    assert last['input_ids'][: last['spans'][0][0]] == rec['input_ids'][: last['spans'][0][0]]
+
+
 def check_shared(r, whole_dir, shared_dir, mode):
     "Shared store `shared_dir` against whole store `whole_dir` of the same samples (see the test above)"
     import torch
