@@ -155,6 +155,12 @@ def test_kimi_plan_without_data(tmp_path, monkeypatch, capsys):
     agentic = shares['tool use'] + shares['agentic coding'] + shares['Kimi-native agent traces']
     assert agentic >= 40 and max(shares, key=shares.get) == 'tool use', shares
     assert '\n## Mix\n' in md and '| tool use |' in md
+    # every turn of the agent trajectories answered (max_turns 0), and the mix agentic-heavy by supervised tokens too
+    assert r.phases['generate']['max_turns'] == 0
+    sup = {c['category']: c['supervised_train'] for c in f['categories']}
+    agent_sup = sup['tool use'] + sup['agentic coding'] + sup['Kimi-native agent traces']
+    assert agent_sup >= 0.5 * sum(sup.values()), sup
+    assert '| category | datasets | records | share | generated | supervised tokens | share of supervised |' in md
     # every sample answered by another model is regenerated, by its policy; the Kimi-native traces are kept
     pol = {x['name']: x['policy'] for x in ds}
     assert pol['hermes_kimi_traces'] == 'keep' and pol['ultrachat_prompts'] == 'once'
