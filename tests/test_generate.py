@@ -647,13 +647,13 @@ def test_prefix_each_turn_on_its_recorded_prefix_one_sample_each(policy_run):
     asked = [k for k, (a, _) in enumerate(swe['spans']) if tuple(swe['input_ids'][:a]) in raw]
     assert len(swe['spans']) == 5 and asked == [0, 2, 4]  # max_turns=3 of its 5, evenly
     assert len(raw) == 3 + 3 + 3  # the prompts, the OpenHands turns, the SWE-agent ones: nothing else raw
-    done = _samples(r, 'oh')
-    assert done['sample_id'] == [f"{row['sample_id']}-t{k:02d}" for k in range(3)]
+    done = _samples(r, 'oh')  # the turns answered, then the rendered sample as recorded (`supervise_recorded`)
+    assert done['sample_id'] == [f"{row['sample_id']}-t{k:02d}" for k in range(3)] + [f"{row['sample_id']}-rec"]
     for x, (a, _) in zip(done, row['spans']):
         n = len(x['input_ids']) - a
         assert x['input_ids'][:a] == row['input_ids'][:a] and x['input_ids'][a:] == list(range(100, 100 + n))
         assert x['loss_mask'] == [0] * a + [1] * n and x['spans'] == [[a, a + n]] and n > 0
-    assert len(_samples(r, 'swe')) == 3
+    assert len(_samples(r, 'swe')) == 3 + 1
 
 
 def test_answered_turns_share_the_trajectory_states(policy_run, kimi_tiny, tmp_path):
@@ -694,7 +694,7 @@ def test_recorded_turns_kept_beside_the_answers(policy_run, kimi_tiny, tmp_path)
     (tmp_path / 'oh' / 'samples').rename(tmp_path / 'answers-only')
     st = completed_samples(root / 'rendered' / 'oh', tmp_path / 'oh', tok, root / 'prepared' / 'oh', recorded=True)
     got, rendered = load_from_disk(str(tmp_path / 'oh' / 'samples')), _rendered(r, 'oh')
-    assert st['samples'] == 3 + 1 and got['sample_id'][:3] == _samples(r, 'oh')['sample_id']
+    assert st['samples'] == 3 + 1 and got['sample_id'] == _samples(r, 'oh')['sample_id']  # the phase's default
     rec = got[3]
     assert rec['sample_id'] == rendered[0]['sample_id'] + '-rec'
     assert (rec['input_ids'], rec['loss_mask']) == (rendered[0]['input_ids'], rendered[0]['loss_mask'])
@@ -711,12 +711,13 @@ def check_shared(r, whole_dir, shared_dir, mode):
     from eagle3nb.store import HiddenStates, read_index
 
     rows = {x['sample_id']: x for x in read_index(shared_dir)}
-    for rec in ('oh', 'swe'):  # turns t00 < t01 < t02 of one rendered row: the recorded part once, each answer once
+    for rec in ('oh', 'swe'):  # turns t00 < t01 < t02 of one rendered row: the recorded row once, each answer once
         g = _samples(r, rec)
-        starts = [x['spans'][0][0] for x in g]
-        assert sum(rows[s]['length'] - rows[s]['prefix_len'] for s in g['sample_id']) == max(starts) + sum(
-            len(x['input_ids']) - a for x, a in zip(g, starts)
-        )
+        turns, recorded = [x for x in g if '-t' in x['sample_id']], [x for x in g if x['sample_id'].endswith('-rec')]
+        starts = [x['spans'][0][0] for x in turns]
+        assert sum(rows[s]['length'] - rows[s]['prefix_len'] for s in g['sample_id']) == len(
+            recorded[0]['input_ids']
+        ) + sum(len(x['input_ids']) - a for x, a in zip(turns, starts))
     whole = HiddenStates(whole_dir)
     shared = HiddenStates(shared_dir, sample_ids=[x['sample_id'] for x in whole.rows])
     W = {x['sample_id']: x for x in whole}

@@ -122,6 +122,8 @@ def _kimi_tokens(r):
         elif d.regenerate == 'prefix':  # the recorded trajectory once, then each answer (at most each turn whole)
             t = min(turns, mt) if mt else turns
             total += d.count * min(t * (mean / 2 + answer), mean + t * answer)
+            if r.phases['generate'].get('supervise_recorded', True):  # and the recorded answers of those turns
+                total += round(d.count * mean * p.get('supervised_share', 0.3) * t / turns)
         else:
             total += d.count * mean
     return round(total)
