@@ -5,10 +5,10 @@
 # %% auto #0
 __all__ = ['MIN_FREE_GB', 'SPLITS', 'load_target', 'target_id', 'weight_layers', 'check_layer_weights', 'capture',
            'forward_states', 'draft_target_ids', 'topk_draft_probs', 'length_batches', 'NotEnoughDisk', 'preflight',
-           'rank_world', 'mine', 'sample_tensors', 'prefix_order', 'plan_modes', 'finish_stats', 'ModelSource',
-           'extract_pass', 'extract_modes', 'extract', 'flush_all', 'ExtractionStopped', 'stop_message', 'load_d2t',
-           'corpus_splits', 'stats_row', 'check_request', 'target_built', 'extraction_request', 'store_dirs',
-           'split_rows', 'split_stop', 'extract_splits', 'extract_recipe']
+           'rank_world', 'mine', 'sample_tensors', 'prefix_order', 'sample_prefixes', 'plan_modes', 'finish_stats',
+           'ModelSource', 'extract_pass', 'extract_modes', 'extract', 'flush_all', 'ExtractionStopped', 'stop_message',
+           'load_d2t', 'corpus_splits', 'stats_row', 'check_request', 'target_built', 'extraction_request',
+           'store_dirs', 'split_rows', 'split_stop', 'extract_splits', 'extract_recipe']
 
 # %% ../nbs/50_extract.ipynb #be6f945d
 import hashlib, json, os, re, time, zlib
@@ -299,7 +299,7 @@ def prefix_order(ids: list, conv: list, shared: dict) -> list:  # sample indices
     return sorted(range(len(ids)), key=key)
 
 # %% ../nbs/50_extract.ipynb #e89f8421
-def _plan(model, samples, out_dir, aux_layers, mode, d2t, topk, target, template_sha256, rank, world, share=True):
+def _plan(model, samples, out_dir, aux_layers, mode, d2t, topk, target, template_sha256, rank, world, shared=None):
     "Everything the run needs before the first forward"
     cfg = model.config.get_text_config()
     aux_layers = aux_layers if aux_layers is not None else default_aux_layers(cfg.num_hidden_layers)
@@ -317,7 +317,7 @@ def _plan(model, samples, out_dir, aux_layers, mode, d2t, topk, target, template
         raise InputError(f"{len(empty)} samples have no tokens, e.g. {empty[0]!r}; drop them before extraction")
     done = done_ids(out_dir)
     bpt = bytes_per_token(mode, H, len(aux_layers), topk, len(tids))
-    shared = shared_prefixes(ids, conv, lambda j: get(j)['input_ids']) if share else {}  # over the split: resumes agree
+    shared = shared if shared is not None else sample_prefixes(samples)  # over the split: a resume agrees
     stored = [L - shared.get(s, (None, 0))[1] for s, L in zip(ids, lens)]  # the state rows each sample writes
     todo = [j for j in prefix_order(ids, conv, shared) if mine(ids[j], rank, world) and ids[j] not in done]
     return dict(
@@ -336,13 +336,20 @@ def _plan(model, samples, out_dir, aux_layers, mode, d2t, topk, target, template
     )
 
 # %% ../nbs/50_extract.ipynb #27810d7e
+def sample_prefixes(samples) -> dict:  # sample id -> [base, p]
+    "`store.shared_prefixes` of `samples` (a Dataset or dicts), grouped by their `conversation_id`"
+    ids, _, get, conv = _view(samples)
+    return shared_prefixes(ids, conv, lambda j: get(j)['input_ids'])
+
+
 def plan_modes(model, samples, outs: dict, aux_layers, d2t, topk, target, template_sha256, rank, world, share=True):
     "A `_plan` per mode's store (`sinks`), and the samples some store still lacks (their indices, in order)"
+    shared = sample_prefixes(samples) if share else {}  # once for every mode
     sinks = [
         dict(
             mode=m,
             out=Path(o),
-            P=_plan(model, samples, o, aux_layers, m, d2t, topk, target, template_sha256, rank, world, share),
+            P=_plan(model, samples, o, aux_layers, m, d2t, topk, target, template_sha256, rank, world, shared),
         )
         for m, o in outs.items()
     ]

@@ -631,10 +631,15 @@ def corpus_map(rows) -> dict:
 # %% ../nbs/51_store.ipynb #30f2021b
 def _check_prefixes(d, files) -> list:
     "Every shared prefix has its base in the store, with the same token ids before it"
+    from functools import lru_cache
+
     rows = [r for f in files for r in _rows_or_none(f)]
     by, p = {r['sample_id']: r for r in rows}, []
-    ids = lambda r: _ids_of(d, r)
-    for r in (r for r in rows if r['prefix_of'] is not None):
+    shard_ids = lru_cache(maxsize=8)(lambda name: _shard_ids(d, name))  # a few shards' ids at a time
+    ids = lambda r: shard_ids(r['shard'])[r['token_offset'] : r['token_offset'] + r['length']].tolist()
+    shared = [r for r in rows if r['prefix_of'] is not None]
+    shared.sort(key=lambda r: (r['shard'], by[r['prefix_of']]['shard'] if r['prefix_of'] in by else ''))
+    for r in shared:
         b, n = by.get(r['prefix_of']), r['prefix_len']
         if b is None:
             p.append(
@@ -652,9 +657,9 @@ def _rows_or_none(f) -> list:  # a shard validate reports as unreadable is left 
         return []
 
 
-def _ids_of(d, r: dict) -> list:
-    with open_shard(Path(d) / r['shard']) as f:
-        return f.get_slice('input_ids')[r['token_offset'] : r['token_offset'] + r['length']].tolist()
+def _shard_ids(d, name: str) -> torch.Tensor:  # (T,) the token ids of every sample of shard `name`
+    with open_shard(Path(d) / name) as f:
+        return f.get_tensor('input_ids')
 
 # %% ../nbs/51_store.ipynb #ca258523
 def validate(
