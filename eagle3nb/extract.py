@@ -671,6 +671,7 @@ def stats_row(mode, split, st, rep):
         new_samples=st['samples'],
         skipped=st['skipped'],
         tokens=rep.get('tokens'),
+        stored_tokens=rep.get('state_rows'),  # the state rows the store holds: a shared prefix once
         seconds=round(st['seconds'], 3),
         tokens_per_s=round(st['tokens_per_s']),
         forward_tokens_per_s=round(st['forward_tokens'] / max(st['forward_s'], 1e-9)),

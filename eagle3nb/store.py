@@ -4,11 +4,12 @@
 
 # %% auto #0
 __all__ = ['FORMAT', 'CONVENTION', 'MODES', 'TOPK_MODES', 'NF4_GROUP', 'FP8_MAX', 'NF4', 'NF4_HALF_GAP', 'NF4_PAIRS', 'META_KEYS',
-           'TENSORS', 'DTYPES', 'SHARD_RE', 'MIN_SHARED', 'INDEX_DDL', 'INDEX_SHARED', 'sglang_layer_ids', 'idx_dtype',
-           'bytes_per_token', 'quantize_fp8', 'dequantize_fp8', 'fp8_bound', 'quantize_nf4', 'dequantize_nf4',
-           'nf4_bound', 'dequantize', 'shard_meta', 'shard_files', 'ShardWriter', 'DiskLow', 'free_bytes',
-           'common_prefix', 'shared_prefixes', 'open_shard', 'read_meta', 'shard_rows', 'read_index', 'done_ids',
-           'record_index', 'sync_index', 'HiddenStates', 'StoreInvalid', 'corpus_map', 'validate']
+           'TENSORS', 'DTYPES', 'SHARD_RE', 'MIN_SHARED', 'INDEX_DDL', 'INDEX_SHARED', 'INDEX_TOTALS',
+           'sglang_layer_ids', 'idx_dtype', 'bytes_per_token', 'quantize_fp8', 'dequantize_fp8', 'fp8_bound',
+           'quantize_nf4', 'dequantize_nf4', 'nf4_bound', 'dequantize', 'shard_meta', 'shard_files', 'ShardWriter',
+           'DiskLow', 'free_bytes', 'common_prefix', 'shared_prefixes', 'open_shard', 'read_meta', 'shard_rows',
+           'read_index', 'done_ids', 'record_index', 'sync_index', 'index_totals', 'HiddenStates', 'StoreInvalid',
+           'corpus_map', 'validate']
 
 # %% ../nbs/51_store.ipynb #ca091201
 import json, os, re, shutil
@@ -470,6 +471,18 @@ def sync_index(catalog, store) -> int:
     "Rebuild the catalog's index of `store` from its shard files"
     return record_index(catalog, store, None, replace=True)
 
+
+INDEX_TOTALS = """SELECT store, mode, count(*)::BIGINT AS samples, sum(length)::BIGINT AS tokens,
+  sum(length - coalesce(prefix_len, 0))::BIGINT AS stored_tokens, count(prefix_of)::BIGINT AS shared_samples
+FROM hidden_index GROUP BY ALL ORDER BY ALL"""
+
+
+def index_totals(catalog):  # -> DataFrame: store, mode, samples, tokens, stored_tokens, shared_samples
+    "Per store: its samples, their tokens, and the state rows it holds (a shared prefix counted once)"
+    from eagle3nb.catalog import query
+
+    return query(catalog, INDEX_TOTALS)
+
 # %% ../nbs/51_store.ipynb #cff395f3
 class HiddenStates(torch.utils.data.Dataset):
     "Random access to the samples of a hidden-state store; compact and nf4 aux come back dequantized unless `raw`"
@@ -668,11 +681,11 @@ def validate(
     expect: dict = None,  # metadata values the recipe implies, e.g. dict(layer_ids=[2, 30, 58], hidden_size=7168)
     values: bool = True,  # read every tensor (shapes only when False)
     strict: bool = True,  # raise `StoreInvalid` on any problem
-) -> dict:  # shards, samples, tokens, bytes, problems
+) -> dict:  # shards, samples, tokens, state_rows (fewer where prefixes are shared), bytes, problems
     "Check every shard of store `d`"
     if corpus is not None and not isinstance(corpus, dict):
         corpus = corpus_map(corpus)
-    files, p, seen, tokens = shard_files(d), [], {}, 0
+    files, p, seen, tokens, rows = shard_files(d), [], {}, 0, 0
     if not files:
         p.append(f"{d}: no shards")
     for path in files:
@@ -696,10 +709,10 @@ def validate(
             if corpus is not None:
                 p += _check_corpus(path.name, f, meta, corpus)
             tokens += f.get_slice('input_ids').get_shape()[0]
+            rows += f.get_slice(TENSORS[meta['mode']][0]).get_shape()[0]
     p += _check_prefixes(d, files)
-    rep = dict(
-        shards=len(files), samples=len(seen), tokens=tokens, bytes=sum(f.stat().st_size for f in files), problems=p
-    )
+    rep = dict(shards=len(files), samples=len(seen), tokens=tokens, state_rows=rows, problems=p)
+    rep['bytes'] = sum(f.stat().st_size for f in files)
     if p and strict:
         raise StoreInvalid(f"{d}: {len(p)} problem(s): " + '; '.join(p[:20]))
     return rep

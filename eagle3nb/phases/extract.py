@@ -192,6 +192,7 @@ COLUMNS = [
     'new_samples',
     'skipped',
     'tokens',
+    'stored_tokens',
     'seconds',
     'tokens_per_s',
     'forward_tokens_per_s',
