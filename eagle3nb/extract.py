@@ -299,7 +299,7 @@ def prefix_order(ids: list, conv: list, shared: dict) -> list:  # sample indices
     return sorted(range(len(ids)), key=key)
 
 # %% ../nbs/50_extract.ipynb #e89f8421
-def _plan(model, samples, out_dir, aux_layers, mode, d2t, topk, target, template_sha256, rank, world, shared=None):
+def _plan(model, samples, out_dir, aux_layers, mode, d2t, topk, target, template_sha256, rank, world, shared):
     "Everything the run needs before the first forward"
     cfg = model.config.get_text_config()
     aux_layers = aux_layers if aux_layers is not None else default_aux_layers(cfg.num_hidden_layers)
@@ -317,7 +317,6 @@ def _plan(model, samples, out_dir, aux_layers, mode, d2t, topk, target, template
         raise InputError(f"{len(empty)} samples have no tokens, e.g. {empty[0]!r}; drop them before extraction")
     done = done_ids(out_dir)
     bpt = bytes_per_token(mode, H, len(aux_layers), topk, len(tids))
-    shared = shared if shared is not None else sample_prefixes(samples)  # over the split: a resume agrees
     stored = [L - shared.get(s, (None, 0))[1] for s, L in zip(ids, lens)]  # the state rows each sample writes
     todo = [j for j in prefix_order(ids, conv, shared) if mine(ids[j], rank, world) and ids[j] not in done]
     return dict(
@@ -344,7 +343,7 @@ def sample_prefixes(samples) -> dict:  # sample id -> [base, p]
 
 def plan_modes(model, samples, outs: dict, aux_layers, d2t, topk, target, template_sha256, rank, world, share=True):
     "A `_plan` per mode's store (`sinks`), and the samples some store still lacks (their indices, in order)"
-    shared = sample_prefixes(samples) if share else {}  # once for every mode
+    shared = sample_prefixes(samples) if share else {}  # once for every mode; over the split: a resume agrees
     sinks = [
         dict(
             mode=m,

@@ -359,8 +359,12 @@ def _add_generation(g, p: PlanParams, parts: dict, gen: dict):
             bool(gen.get('supervise_recorded')),
         )
         rows.append({k: v if x.part != 'excluded' else 0 for k, v in c.items()})
-    for k in ('requests', 'response_tokens', 'stored', 'supervised_train', 'extract_tokens', 'whole_tokens'):
-        g[k] = [int(r[k.removesuffix('_train')]) for r in rows] if rows else []
+    cols = dict(
+        requests='requests', response_tokens='response_tokens', stored='stored', extract_tokens='extract_tokens'
+    )
+    cols.update(whole_tokens='whole_tokens', supervised_train='supervised')  # g's `supervised` is the recorded mask's
+    for k, c in cols.items():
+        g[k] = [int(r[c]) for r in rows] if rows else []
         g[k] = g[k].astype('int64')
     return g
 

@@ -262,7 +262,7 @@ class ShardWriter:
             raise InputError(f"sample {sample_id}: {T} tokens but {bad}")
         base, p = prefix or (None, 0)
         if not 0 <= p < T:
-            raise InputError(f"sample {sample_id}: a shared prefix of {p} tokens leaves none of its {T} to store")
+            raise ValueError(f"sample {sample_id}: a shared prefix of {p} tokens leaves none of its {T} to store")
         kept = {k: tensors[k] if k in ('input_ids', 'loss_mask') else tensors[k][p:] for k in self.want}
         self.buf.append((sample_id, kept, [base, p] if p else None))
         self.nbytes += sum(t.numel() * t.element_size() for t in kept.values())
